@@ -1,0 +1,145 @@
+"""Async front of the engine for the serving layer: the model steps in its own thread.
+
+Loop (one thread, the only one touching LLMEngine):
+  1. apply queued commands (add, abort) in arrival order;
+  2. if nothing is in flight, block until a command arrives;
+  3. run one step and hand each request's output to its asyncio queue.
+A step that raises kills the loop: every open stream gets EngineDeadError and `healthy` turns false.
+"""
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from app.engine.config import EngineConfig
+from app.engine.errors import EngineDeadError, InvalidRequestError
+from app.engine.llm_engine import LLMEngine
+from app.engine.outputs import EngineStats, RequestOutput
+from app.engine.sampling_params import SamplingParams, validate_request
+
+logger = logging.getLogger(__name__)
+
+
+class Command(enum.Enum):
+    ADD = enum.auto()
+    ABORT = enum.auto()
+    STOP = enum.auto()
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+    def put(self, item) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+class AsyncLLMEngine:
+    def __init__(self, config: EngineConfig, engine: LLMEngine | None = None):
+        self.engine = engine or LLMEngine(config)
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, _Stream] = {}
+        self._lock = threading.Lock()
+        self._dead: BaseException | None = None
+        self.last_step_end = time.monotonic()
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    # -- the API -----------------------------------------------------------------------------------
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                       adapter_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Yield the request's outputs as they are produced; the last has finished=True.
+        Raises InvalidRequestError before the first output; leaving the iteration early aborts."""
+        if self._dead is not None:
+            raise EngineDeadError(f"engine loop died: {self._dead!r}")
+        validate_request(prompt_token_ids, params, self.engine.limits)
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        with self._lock:
+            if request_id in self._streams:
+                raise InvalidRequestError("request_id", f"{request_id!r} is already in flight")
+            self._streams[request_id] = stream
+        self._commands.put((Command.ADD, (request_id, prompt_token_ids, params, adapter_id, time.time_ns())))
+        finished = False
+        try:
+            while not finished:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put((Command.ABORT, request_id))
+
+    def stats(self) -> EngineStats:
+        return self.engine.stats()
+
+    @property
+    def healthy(self) -> bool:
+        return self._dead is None and self._thread.is_alive()
+
+    def shutdown(self) -> None:
+        self._commands.put((Command.STOP, None))
+        self._thread.join(timeout=30)
+
+    # -- the loop ----------------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while True:
+                block = not self.engine.has_unfinished_requests()
+                if not self._apply_commands(block):
+                    return
+                for output in self.engine.step():
+                    self._deliver(output)
+                self.last_step_end = time.monotonic()
+        except BaseException as exc:  # noqa: BLE001 - any escape means the engine is gone
+            logger.exception("engine loop died")
+            self._dead = exc
+            with self._lock:
+                streams, self._streams = list(self._streams.values()), {}
+            for stream in streams:
+                stream.put(EngineDeadError(f"engine loop died: {exc!r}"))
+
+    def _apply_commands(self, block: bool) -> bool:
+        while True:
+            try:
+                command, arg = self._commands.get(block=block)
+            except queue.Empty:
+                return True
+            block = False
+            if command is Command.STOP:
+                return False
+            if command is Command.ADD:
+                request_id, prompt, params, adapter_id, arrival = arg
+                try:
+                    self.engine.add_request(request_id, prompt, params, adapter_id, arrival)
+                except Exception as exc:  # noqa: BLE001 - a bad request fails alone
+                    self._fail(request_id, exc)
+            elif command is Command.ABORT:
+                output = self.engine.abort_request(arg)
+                if output is not None:
+                    self._deliver(output)
+
+    def _deliver(self, output: RequestOutput) -> None:
+        with self._lock:
+            stream = self._streams.get(output.request_id)
+            if output.finished:
+                self._streams.pop(output.request_id, None)
+        if stream is not None:
+            stream.put(output)
+
+    def _fail(self, request_id: str, exc: BaseException) -> None:
+        with self._lock:
+            stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            stream.put(exc)

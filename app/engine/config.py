@@ -1,0 +1,68 @@
+"""Engine-side configuration: plain dataclasses, validated once, the single source of engine defaults.
+
+The serving layer's pydantic schema (app/config.py) reads its defaults from here.
+Names follow TensorRT-LLM's LLM API (max_batch_size, max_num_tokens, kv_cache_config, ...).
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class SchedulerPolicy(str, enum.Enum):
+    """TensorRT-LLM's CapacitySchedulerPolicy names."""
+
+    GUARANTEED_NO_EVICT = "GUARANTEED_NO_EVICT"  # admit only what can finish: never preempts
+    MAX_UTILIZATION = "MAX_UTILIZATION"  # pack greedily, preempt by recompute when blocks run out
+
+
+class BatchingType(str, enum.Enum):
+    """Triton's gpt_model_type: in-flight batching or the static V1 mode kept for comparison."""
+
+    INFLIGHT = "INFLIGHT"
+    STATIC = "STATIC"
+
+
+@dataclass
+class KvCacheConfig:
+    enable_block_reuse: bool = True
+    tokens_per_block: int = 32
+    # Cache size: max_tokens wins when set; otherwise a fraction of the device memory left after
+    # weights (on CPU: of available system memory), as TensorRT-LLM's free_gpu_memory_fraction.
+    max_tokens: int | None = None
+    free_gpu_memory_fraction: float = 0.9
+
+    def __post_init__(self):
+        if self.tokens_per_block < 1 or self.tokens_per_block & (self.tokens_per_block - 1):
+            raise ValueError(f"kv_cache_config.tokens_per_block must be a power of two, got {self.tokens_per_block}")
+        if self.max_tokens is not None and self.max_tokens < self.tokens_per_block:
+            raise ValueError(f"kv_cache_config.max_tokens must be at least tokens_per_block, got {self.max_tokens}")
+        if not 0.0 < self.free_gpu_memory_fraction <= 1.0:
+            raise ValueError("kv_cache_config.free_gpu_memory_fraction must be in (0, 1]")
+
+
+@dataclass
+class EngineConfig:
+    model: str = "smollm2-135m"  # an alias of an embedded model, an HF directory, or a .gguf file
+    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
+    device: str = "cpu"
+    max_batch_size: int = 64  # sequences in flight (each beam counts)
+    max_num_tokens: int = 2048  # tokens computed per step (the in-flight batcher's token budget)
+    max_seq_len: int | None = None  # prompt + output; default: the model's limit
+    enable_chunked_prefill: bool = True
+    scheduler_policy: SchedulerPolicy = SchedulerPolicy.GUARANTEED_NO_EVICT
+    batching_type: BatchingType = BatchingType.INFLIGHT
+    max_beam_width: int = 4
+    kv_cache_config: KvCacheConfig = field(default_factory=KvCacheConfig)
+    seed: int = 0  # seeds the sampler for requests that bring no seed of their own
+
+    def __post_init__(self):
+        if isinstance(self.kv_cache_config, dict):
+            self.kv_cache_config = KvCacheConfig(**self.kv_cache_config)
+        self.scheduler_policy = SchedulerPolicy(self.scheduler_policy)
+        self.batching_type = BatchingType(self.batching_type)
+        for name in ("max_batch_size", "max_num_tokens", "max_beam_width"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.max_seq_len is not None and self.max_seq_len < 2:
+            raise ValueError(f"max_seq_len must be at least 2, got {self.max_seq_len}")

@@ -1,0 +1,14 @@
+"""Errors the engine raises across its API boundary."""
+
+
+class InvalidRequestError(ValueError):
+    """A request the engine refuses; `field` names the offending input, the message its limit."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop has died; every request in flight fails with this."""

@@ -1,0 +1,256 @@
+"""The synchronous engine: requests in, one scheduled model step at a time, token deltas out."""
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from app.engine.beam_search import BeamGroup
+from app.engine.block_manager import BlockManager
+from app.engine.config import EngineConfig
+from app.engine.errors import InvalidRequestError
+from app.engine.model_loader import read_model_config, resolve_model_dir
+from app.engine.model_runner import ModelRunner
+from app.engine.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput
+from app.engine.sampling_params import RequestLimits, SamplingParams, validate_request
+from app.engine.scheduler import Scheduler, SchedulerLimits
+from app.engine.sequence import FinishReason, Sequence
+
+
+@dataclass
+class Request:
+    request_id: str
+    params: SamplingParams
+    seqs: list[Sequence]  # the n outputs; for beam search, every beam ever created
+    beam: BeamGroup | None = None
+    arrival_ns: int = 0
+    aborted: bool = False
+    emitted_beams: bool = False
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def finished(self) -> bool:
+        if self.beam is not None:
+            return self.beam.done or self.aborted
+        return all(s.finish_reason is not None for s in self.seqs)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.model_dir = resolve_model_dir(config.model)
+        model_cfg = read_model_config(self.model_dir)
+        self.max_seq_len = min(config.max_seq_len or model_cfg.max_seq_len, model_cfg.max_seq_len)
+        self.runner = ModelRunner(config, self.model_dir, self.max_seq_len)
+        kv = config.kv_cache_config
+        self.block_manager = BlockManager(self.runner.num_blocks, kv.tokens_per_block, kv.enable_block_reuse)
+        self.scheduler = Scheduler(
+            SchedulerLimits(config.max_batch_size, config.max_num_tokens, config.enable_chunked_prefill,
+                            config.scheduler_policy, config.batching_type),
+            self.block_manager)
+        self.limits = RequestLimits(
+            vocab_size=model_cfg.vocab_size, max_seq_len=self.max_seq_len, max_beam_width=config.max_beam_width,
+            max_num_tokens=config.max_num_tokens, chunked_prefill=config.enable_chunked_prefill,
+            max_cache_tokens=self.runner.num_blocks * kv.tokens_per_block)
+        self.eos_ids = frozenset(model_cfg.eos_token_ids)
+        self.requests: dict[str, Request] = {}
+        self._seq_ids = itertools.count()
+        self.num_steps = 0
+        self._last_context_tokens = 0
+        self._last_generation_requests = 0
+
+    # -- requests ----------------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    adapter_id: str | None = None, arrival_ns: int | None = None) -> None:
+        """Queue a request; raises InvalidRequestError (naming the field) for input out of range."""
+        if request_id in self.requests:
+            raise InvalidRequestError("request_id", f"{request_id!r} is already in flight")
+        validate_request(prompt_token_ids, params, self.limits)
+        arrival_ns = arrival_ns or time.time_ns()
+        num_seqs = 1 if params.beam_width > 1 else params.n
+        seqs = [Sequence(next(self._seq_ids), request_id, i, prompt_token_ids, params, self.eos_ids,
+                         self._generator(params, i), adapter_id, arrival_ns) for i in range(num_seqs)]
+        request = Request(request_id, params, seqs, arrival_ns=arrival_ns)
+        if params.beam_width > 1:
+            request.beam = BeamGroup(seqs[0], params.beam_width)
+        self.requests[request_id] = request
+        for seq in seqs:
+            self.scheduler.add(seq)
+
+    def _generator(self, params: SamplingParams, index: int) -> torch.Generator | None:
+        if params.seed is None or params.greedy:
+            return None
+        return torch.Generator(self.runner.device).manual_seed(params.seed + index)
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now; its KV blocks go back to the pool before this returns."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        request.aborted = True
+        for seq in request.seqs:
+            if not seq.is_finished:
+                self.scheduler.remove(seq)
+            if seq.finish_reason is None:
+                seq.finish_reason = FinishReason.ABORT
+        return self._output(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # -- the step ----------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        plan = self.scheduler.schedule()
+        if plan.is_empty:
+            return []
+        now = time.time_ns()
+        for item in plan.scheduled:
+            item.seq.first_scheduled_ns = item.seq.first_scheduled_ns or now
+        result = self.runner.execute(plan)
+        self.num_steps += 1
+        self._last_context_tokens = sum(s.num_tokens for s in plan.scheduled if s.num_tokens > 1)
+        self._last_generation_requests = sum(1 for s in plan.scheduled if s.num_tokens == 1)
+        for item in plan.scheduled:
+            item.seq.num_computed_tokens += item.num_tokens
+            self.block_manager.register_full_blocks(item.seq)
+        touched: dict[str, Request] = {}
+        beam_candidates: dict[int, tuple[BeamGroup, dict]] = {}
+        for row, seq in enumerate(result.seqs):
+            touched[seq.request_id] = self.requests[seq.request_id]
+            if seq.beam_group is not None:
+                group_rows = beam_candidates.setdefault(id(seq.beam_group), (seq.beam_group, {}))[1]
+                group_rows[seq] = result.sampled.beam_candidates[row]
+                continue
+            seq.append_token(result.sampled.token_ids[row], result.sampled.logprobs[row])
+            if seq.check_stop() is not None:
+                self.scheduler.remove(seq)
+        for group, candidates in beam_candidates.values():
+            self._advance_beams(self.requests[group.running[0].request_id], group, candidates)
+        outputs = []
+        for request in touched.values():
+            output = self._output(request)
+            if output is not None:
+                outputs.append(output)
+            if request.finished:
+                del self.requests[request.request_id]
+        return outputs
+
+    def _advance_beams(self, request: Request, group: BeamGroup, candidates: dict) -> None:
+        chosen = group.select(candidates)
+        parents_seen, pairs = set(), []
+        for c in chosen:  # fork before any token is appended: children copy the parent as it was
+            if c.parent.seq_id in parents_seen:
+                child = c.parent.fork(next(self._seq_ids))
+                self.scheduler.add_fork(c.parent, child)
+                request.seqs.append(child)
+                pairs.append((child, c))
+            else:
+                parents_seen.add(c.parent.seq_id)
+                pairs.append((c.parent, c))
+        for seq in group.running:
+            if seq.seq_id not in parents_seen:
+                self.scheduler.remove(seq)
+        for seq, c in pairs:
+            seq.append_token(c.token_id, c.logprob)
+        group.running = [seq for seq, _ in pairs]
+        group.scores = [c.score for c in chosen]
+
+    # -- outputs -----------------------------------------------------------------------------------
+    def _output(self, request: Request) -> RequestOutput | None:
+        if request.beam is not None:
+            return self._beam_output(request)
+        completions = []
+        for seq in request.seqs:
+            upto = seq.num_emittable()
+            if upto == seq.num_emitted and not (seq.finish_reason and request.finished):
+                continue
+            new = slice(seq.num_prompt_tokens + seq.num_emitted, seq.num_prompt_tokens + upto)
+            completions.append(CompletionOutput(
+                index=seq.index, token_ids=seq.token_ids[new],
+                logprobs=seq.output_logprobs[seq.num_emitted:upto] if request.params.logprobs else None,
+                cumulative_logprob=seq.cumulative_logprob,
+                finish_reason=seq.finish_reason.value if seq.finish_reason else None,
+                stop_reason=seq.stop_reason))
+            seq.num_emitted = upto
+        if not completions:
+            return None
+        finished = request.finished
+        return RequestOutput(request.request_id, completions, finished, self._metrics(request) if finished else None)
+
+    def _beam_output(self, request: Request) -> RequestOutput | None:
+        """Beams change until the search ends, so they are sent once, whole, best first."""
+        if not request.finished:
+            return None
+        group = request.beam
+        for seq in list(group.running):
+            if not seq.is_finished:
+                self.scheduler.remove(seq)
+        completions = [CompletionOutput(
+            index=i, token_ids=h.token_ids, logprobs=h.logprobs if request.params.logprobs else None,
+            cumulative_logprob=sum(h.logprobs), finish_reason=h.finish_reason.value)
+            for i, h in enumerate(group.finished)]
+        if request.aborted:
+            completions = [CompletionOutput(0, [], None, 0.0, FinishReason.ABORT.value)]
+        return RequestOutput(request.request_id, completions, True, self._metrics(request))
+
+    def _metrics(self, request: Request) -> RequestMetrics:
+        seqs = request.seqs
+        return RequestMetrics(
+            arrival_time_ns=request.arrival_ns,
+            first_scheduled_time_ns=min((s.first_scheduled_ns for s in seqs if s.first_scheduled_ns), default=0),
+            first_token_time_ns=min((s.first_token_ns for s in seqs if s.first_token_ns), default=0),
+            last_token_time_ns=max(s.last_token_ns for s in seqs),
+            num_prompt_tokens=seqs[0].num_prompt_tokens,
+            num_output_tokens=(sum(len(h.token_ids) for h in request.beam.finished) if request.beam
+                               else sum(s.num_output_tokens for s in seqs)),
+            kv_cache_reused_blocks=sum(s.reused_blocks for s in seqs),
+            kv_cache_alloc_new_blocks=sum(s.new_blocks for s in seqs),
+            num_preemptions=sum(s.num_preemptions for s in seqs))
+
+    # -- introspection -----------------------------------------------------------------------------
+    def stats(self) -> EngineStats:
+        bm = self.block_manager
+        return EngineStats(
+            num_waiting=len(self.scheduler.waiting), num_running=len(self.scheduler.running),
+            num_preempted_total=self.scheduler.num_preempted_total, max_batch_size=self.config.max_batch_size,
+            max_num_tokens=self.config.max_num_tokens, tokens_per_block=bm.block_size, max_blocks=bm.num_blocks,
+            free_blocks=bm.num_free_blocks, used_blocks=bm.num_blocks - bm.num_free_blocks,
+            reused_blocks_total=bm.reused_blocks_total, new_blocks_total=bm.new_blocks_total, steps=self.num_steps,
+            context_tokens_last_step=self._last_context_tokens,
+            generation_requests_last_step=self._last_generation_requests)
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[RequestOutput]:
+        """Run prompts to completion (offline use, tests, benchmarks); one merged output each."""
+        params_list = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [f"offline-{next(self._seq_ids)}" for _ in prompts]
+        for rid, prompt, p in zip(ids, prompts, params_list):
+            self.add_request(rid, prompt, p)
+        merged: dict[str, RequestOutput] = {}
+        while any(rid in self.requests for rid in ids):
+            for out in self.step():
+                merged[out.request_id] = merge_outputs(merged.get(out.request_id), out)
+        return [merged[rid] for rid in ids]
+
+
+def merge_outputs(acc: RequestOutput | None, delta: RequestOutput) -> RequestOutput:
+    """Fold a streamed delta into the accumulated output of the same request."""
+    if acc is None:
+        acc = RequestOutput(delta.request_id, [], False)
+    by_index = {c.index: c for c in acc.outputs}
+    for c in delta.outputs:
+        prev = by_index.get(c.index)
+        if prev is None:
+            by_index[c.index] = CompletionOutput(c.index, list(c.token_ids), list(c.logprobs) if c.logprobs is not None else None,
+                                                 c.cumulative_logprob, c.finish_reason, c.stop_reason)
+            continue
+        prev.token_ids.extend(c.token_ids)
+        if c.logprobs is not None:
+            prev.logprobs = (prev.logprobs or []) + list(c.logprobs)
+        prev.cumulative_logprob = c.cumulative_logprob
+        prev.finish_reason, prev.stop_reason = c.finish_reason, c.stop_reason
+    acc.outputs = [by_index[i] for i in sorted(by_index)]
+    acc.finished = delta.finished
+    acc.metrics = delta.metrics or acc.metrics
+    return acc

@@ -1,0 +1,71 @@
+"""Paged attention over the block-structured KV cache, portable PyTorch (gather + SDPA).
+
+Tokens arrive packed: first the decode tokens (one per sequence), then each prefill chunk.
+Decodes run as one batched SDPA over gathered blocks with a length mask; each prefill chunk runs
+its own SDPA, causal within the chunk and full over the cached prefix before it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillChunk:
+    start: int  # offset of the chunk's first token in the packed batch
+    num_tokens: int
+    context_len: int  # tokens attended to, cached prefix + this chunk
+    block_table: torch.Tensor  # [num_blocks] covering context_len
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [num_tokens] cache slot written by each token
+    num_decodes: int
+    decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks]
+    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size]
+    prefills: list[PrefillChunk]
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """q: [T, H, D]; k, v: [T, KVH, D]; caches: [num_blocks, block_size, KVH, D]. Returns [T, H, D]."""
+    num_kv_heads, head_dim = k.shape[1], k.shape[2]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+    out = torch.empty_like(q)
+    nd = meta.num_decodes
+    if nd:
+        keys = _gather(k_cache, meta.decode_block_tables)  # [B, KVH, L, D]
+        values = _gather(v_cache, meta.decode_block_tables)
+        o = F.scaled_dot_product_attention(q[:nd].unsqueeze(2), keys, values, attn_mask=meta.decode_mask,
+                                           scale=scale, enable_gqa=True)
+        out[:nd] = o.squeeze(2)
+    for chunk in meta.prefills:
+        rows = slice(chunk.start, chunk.start + chunk.num_tokens)
+        qc = q[rows].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+        if chunk.context_len == chunk.num_tokens:  # no cached prefix: this chunk's own k, v suffice
+            kc, vc = k[rows].transpose(0, 1).unsqueeze(0), v[rows].transpose(0, 1).unsqueeze(0)
+            o = F.scaled_dot_product_attention(qc, kc, vc, is_causal=True, scale=scale, enable_gqa=True)
+        else:
+            kc = _gather(k_cache, chunk.block_table[None])[:, :, :chunk.context_len]
+            vc = _gather(v_cache, chunk.block_table[None])[:, :, :chunk.context_len]
+            mask = _prefix_causal_mask(chunk.num_tokens, chunk.context_len, q.device)
+            o = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=mask, scale=scale, enable_gqa=True)
+        out[rows] = o[0].transpose(0, 1)
+    return out
+
+
+def _gather(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
+    """[B, KVH, nb * bs, D] keys or values of the listed blocks (index_select: faster than indexing)."""
+    b, nb = block_tables.shape
+    blocks = cache.index_select(0, block_tables.flatten())  # [B * nb, bs, KVH, D]
+    return blocks.view(b, nb * cache.shape[1], cache.shape[2], cache.shape[3]).transpose(1, 2)
+
+
+def _prefix_causal_mask(num_queries: int, context_len: int, device) -> torch.Tensor:
+    """Query i sits at position context_len - num_queries + i and sees keys up to it."""
+    q_pos = torch.arange(context_len - num_queries, context_len, device=device)[:, None]
+    return torch.arange(context_len, device=device)[None, :] <= q_pos

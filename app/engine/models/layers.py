@@ -1,0 +1,103 @@
+"""Building blocks of the Llama family, written for a packed batch of tokens ([num_tokens, hidden]).
+
+Linear layers fuse what runs side by side (q/k/v, gate/up) and load each HF tensor into its slice
+through `load_shard`; that slice map is also where tensor-parallel sharding and per-slice LoRA
+deltas attach.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class MergedLinear(nn.Module):
+    """One matmul for several projections of the same input, e.g. q, k, v."""
+
+    def __init__(self, in_features: int, out_sizes: list[int], bias: bool, dtype: torch.dtype):
+        super().__init__()
+        self.out_sizes = out_sizes
+        self.weight = nn.Parameter(torch.empty(sum(out_sizes), in_features, dtype=dtype), requires_grad=False)
+        self.bias = nn.Parameter(torch.zeros(sum(out_sizes), dtype=dtype), requires_grad=False) if bias else None
+        self.packed: torch.Tensor | None = None
+
+    def load_shard(self, name: str, tensor: torch.Tensor, shard: int) -> None:
+        start = sum(self.out_sizes[:shard])
+        getattr(self, name)[start:start + self.out_sizes[shard]].copy_(tensor)
+
+    def pack_for_cpu(self) -> None:
+        """Reorder the weight into oneDNN's blocked layout once. On the 2-core dev CPU this halves
+        small-batch matmul time against the plain layout (see docs/PERFORMANCE.md)."""
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
+
+
+def cpu_packing_available(dtype: torch.dtype, device: torch.device) -> bool:
+    return (device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+
+
+class Linear(MergedLinear):
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype):
+        super().__init__(in_features, [out_features], bias, dtype)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float, dtype: torch.dtype):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(size, dtype=dtype), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # In float32 and cast back before the weight, exactly as transformers' LlamaRMSNorm.
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
+    factor = scaling["factor"]
+    low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
+    old_len = scaling["original_max_position_embeddings"]
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotate-half RoPE with a cos/sin table computed once for every position up to max_positions."""
+
+    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None):
+        super().__init__()
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+        if kind == "llama3":
+            inv_freq = _llama3_inv_freq(inv_freq, scaling)
+        elif kind == "linear":
+            inv_freq = inv_freq / scaling["factor"]
+        elif kind != "default":
+            raise ValueError(f"rope scaling type {kind!r} is not supported (default, linear, llama3)")
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # [T, 1, D]
+        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)

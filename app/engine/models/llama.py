@@ -1,0 +1,154 @@
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM2, TinyLlama) over a paged KV cache."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from app.engine.models.attention import AttentionMetadata, paged_attention
+from app.engine.models.layers import Linear, MergedLinear, RMSNorm, RotaryEmbedding, cpu_packing_available
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+
+@dataclass
+class ModelConfig:
+    """The architecture fields we use from an HF config.json."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    eos_token_ids: tuple[int, ...]
+    sliding_window: int | None
+
+    @classmethod
+    def from_hf(cls, d: dict) -> ModelConfig:
+        model_type = d.get("model_type", "llama")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"model_type {model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+        rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
+        theta = rope.get("rope_theta", d.get("rope_theta", 10000.0))
+        scaling = rope if rope.get("rope_type", rope.get("type", "default")) != "default" else None
+        eos = d.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        heads = d["num_attention_heads"]
+        window = d.get("sliding_window") if d.get("use_sliding_window", model_type == "mistral") else None
+        return cls(
+            model_type=model_type, vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
+            intermediate_size=d["intermediate_size"], num_layers=d["num_hidden_layers"], num_heads=heads,
+            num_kv_heads=d.get("num_key_value_heads") or heads,
+            head_dim=d.get("head_dim") or d["hidden_size"] // heads, rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+            rope_theta=theta, rope_scaling=scaling,
+            max_position_embeddings=d.get("max_position_embeddings", 2048),
+            tie_word_embeddings=d.get("tie_word_embeddings", False),
+            qkv_bias=d.get("attention_bias", model_type == "qwen2"), eos_token_ids=eos_ids,
+            sliding_window=window,
+        )
+
+    @property
+    def max_seq_len(self) -> int:
+        """Sliding-window attention is not implemented, so such models stop at their window."""
+        return min(self.max_position_embeddings, self.sliding_window or self.max_position_embeddings)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.qkv_proj = MergedLinear(cfg.hidden_size, [q_size, kv_size, kv_size], cfg.qkv_bias, dtype)
+        self.o_proj = Linear(q_size, cfg.hidden_size, False, dtype)
+        self.split = (q_size, kv_size, kv_size)
+        self.scale = cfg.head_dim ** -0.5
+
+    def forward(self, x, positions, rotary, kv_cache, meta: AttentionMetadata):
+        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
+        t = x.shape[0]
+        q, k = rotary(positions, q.view(t, self.num_heads, self.head_dim), k.view(t, self.num_kv_heads, self.head_dim))
+        o = paged_attention(q, k, v.view(t, self.num_kv_heads, self.head_dim), kv_cache[0], kv_cache[1], meta, self.scale)
+        return self.o_proj(o.view(t, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
+        super().__init__()
+        self.gate_up_proj = MergedLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, False, dtype)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, False, dtype)
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.self_attn = Attention(cfg, dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.mlp = MLP(cfg, dtype)
+
+    def forward(self, x, positions, rotary, kv_cache, meta):
+        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    # HF tensor name -> (our parameter path, shard index within a merged linear)
+    PACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+              "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+
+    def __init__(self, cfg: ModelConfig, max_positions: int, dtype: torch.dtype):
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, False, dtype)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def finish_loading(self) -> None:
+        """Weights are in place: prepare the device-specific layouts."""
+        if cpu_packing_available(self.embed_tokens.weight.dtype, self.embed_tokens.weight.device):
+            for module in self.modules():
+                if isinstance(module, MergedLinear):
+                    module.pack_for_cpu()
+
+    def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata, logits_indices):
+        """Hidden states for the packed tokens; logits only for the rows in logits_indices."""
+        x = self.embed_tokens(input_ids)
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            x = layer(x, positions, self.rotary, kv_cache, meta)
+        return self.lm_head(self.norm(x[logits_indices])).float()
+
+    def load_hf_tensor(self, name: str, tensor: torch.Tensor) -> bool:
+        """Copy one HF checkpoint tensor into place; False for names we do not use."""
+        name = name.removeprefix("model.")
+        if name.startswith("lm_head.") and self.config.tie_word_embeddings:
+            return False
+        if "rotary_emb" in name:
+            return False
+        parts = name.split(".")
+        if len(parts) >= 4 and parts[-2] in self.PACKED:
+            target, shard = self.PACKED[parts[-2]]
+            module = self.get_submodule(".".join(parts[:-2] + [target]))
+            module.load_shard(parts[-1], tensor, shard)
+            return True
+        self.get_parameter(name).copy_(tensor)
+        return True

@@ -1,0 +1,73 @@
+"""What the engine hands back: per-step deltas of each request, and its metrics at the end."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class CompletionOutput:
+    """New tokens of one of a request's outputs since the previous RequestOutput."""
+
+    index: int
+    token_ids: list[int]
+    logprobs: list[float] | None
+    cumulative_logprob: float
+    finish_reason: str | None = None
+    stop_reason: int | list[int] | None = None
+
+
+@dataclass
+class RequestMetrics:
+    """TensorRT-LLM's per-request perf metrics (times are wall-clock ns)."""
+
+    arrival_time_ns: int
+    first_scheduled_time_ns: int
+    first_token_time_ns: int
+    last_token_time_ns: int
+    num_prompt_tokens: int
+    num_output_tokens: int
+    kv_cache_reused_blocks: int
+    kv_cache_alloc_new_blocks: int
+    num_preemptions: int = 0
+
+    @property
+    def kv_cache_alloc_total_blocks(self) -> int:
+        return self.kv_cache_reused_blocks + self.kv_cache_alloc_new_blocks
+
+    @property
+    def kv_cache_hit_rate(self) -> float:
+        total = self.kv_cache_alloc_total_blocks
+        return self.kv_cache_reused_blocks / total if total else 0.0
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics | None = None  # set on the final output
+    error: str | None = None  # set when the request failed inside the engine
+
+
+@dataclass
+class EngineStats:
+    num_waiting: int
+    num_running: int
+    num_preempted_total: int
+    max_batch_size: int
+    max_num_tokens: int
+    tokens_per_block: int
+    max_blocks: int
+    free_blocks: int
+    used_blocks: int
+    reused_blocks_total: int
+    new_blocks_total: int
+    steps: int
+    context_tokens_last_step: int
+    generation_requests_last_step: int
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def kv_cache_hit_rate(self) -> float:
+        total = self.reused_blocks_total + self.new_blocks_total
+        return self.reused_blocks_total / total if total else 0.0

@@ -1,0 +1,103 @@
+"""Per-request generation parameters and their validation against the engine's limits."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from app.engine.errors import InvalidRequestError
+
+
+@dataclass
+class SamplingParams:
+    """Token-level parameters of one request (TensorRT-LLM SamplingParams semantics, ids not text).
+
+    temperature 0 (or top_k 1) means greedy. Stop and bad words are token-id sequences; a stop
+    sequence ends generation and is cut from the output. Logprobs are the model's raw log-softmax
+    of the chosen token, before penalties and temperature (what vLLM returns by default).
+    """
+
+    max_tokens: int = 32
+    end_id: int | None = None  # None: the model's end-of-sequence ids
+    pad_id: int | None = None  # carried for the serving layer's padded outputs
+    temperature: float = 1.0
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    repetition_penalty: float = 1.0  # HF semantics, over prompt and output
+    presence_penalty: float = 0.0  # OpenAI semantics, over output tokens
+    frequency_penalty: float = 0.0
+    min_tokens: int = 0
+    stop_token_ids: list[list[int]] = field(default_factory=list)
+    bad_token_ids: list[list[int]] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: bool = False
+    n: int = 1  # independent samples (num_return_sequences)
+    beam_width: int = 1
+    length_penalty: float = 1.0  # beam search: score / generated_length ** length_penalty
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def needs_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """What the engine can take, fixed at start-up."""
+
+    vocab_size: int
+    max_seq_len: int
+    max_beam_width: int
+    max_num_tokens: int
+    chunked_prefill: bool
+    max_cache_tokens: int
+
+
+def _check(ok: bool, field_name: str, message: str) -> None:
+    if not ok:
+        raise InvalidRequestError(field_name, message)
+
+
+def _check_token_lists(name: str, seqs: list[list[int]], vocab_size: int) -> None:
+    for seq in seqs:
+        _check(len(seq) > 0, name, "must not contain an empty sequence")
+        _check(all(0 <= t < vocab_size for t in seq), name, f"token ids must be in [0, {vocab_size})")
+
+
+def validate_request(prompt_token_ids: list[int], p: SamplingParams, limits: RequestLimits) -> None:
+    """Raise InvalidRequestError naming the first field out of range."""
+    n_prompt = len(prompt_token_ids)
+    _check(n_prompt > 0, "prompt", "must contain at least one token")
+    _check(all(0 <= t < limits.vocab_size for t in prompt_token_ids), "prompt",
+           f"token ids must be in [0, {limits.vocab_size})")
+    _check(n_prompt < limits.max_seq_len, "prompt",
+           f"{n_prompt} tokens exceed the model limit of {limits.max_seq_len - 1} (max_seq_len {limits.max_seq_len})")
+    _check(p.max_tokens >= 1, "max_tokens", "must be at least 1")
+    _check(n_prompt + p.max_tokens <= limits.max_seq_len, "max_tokens",
+           f"prompt ({n_prompt}) + max_tokens ({p.max_tokens}) exceeds max_seq_len {limits.max_seq_len}")
+    _check(n_prompt + p.max_tokens <= limits.max_cache_tokens, "max_tokens",
+           f"prompt ({n_prompt}) + max_tokens ({p.max_tokens}) exceeds the KV cache of {limits.max_cache_tokens} tokens")
+    if not limits.chunked_prefill:
+        _check(n_prompt <= limits.max_num_tokens, "prompt",
+               f"{n_prompt} tokens exceed max_num_tokens {limits.max_num_tokens} (chunked prefill is off)")
+    _check(p.temperature >= 0.0, "temperature", "must be >= 0")
+    _check(p.top_k >= 0, "top_k", "must be >= 0")
+    _check(0.0 < p.top_p <= 1.0, "top_p", "must be in (0, 1]")
+    _check(0.0 <= p.min_p <= 1.0, "min_p", "must be in [0, 1]")
+    _check(p.repetition_penalty > 0.0, "repetition_penalty", "must be > 0")
+    _check(-2.0 <= p.presence_penalty <= 2.0, "presence_penalty", "must be in [-2, 2]")
+    _check(-2.0 <= p.frequency_penalty <= 2.0, "frequency_penalty", "must be in [-2, 2]")
+    _check(0 <= p.min_tokens <= p.max_tokens, "min_tokens", f"must be in [0, max_tokens={p.max_tokens}]")
+    _check(p.n >= 1, "n", "must be at least 1")
+    _check(1 <= p.beam_width <= limits.max_beam_width, "beam_width", f"must be in [1, {limits.max_beam_width}]")
+    if p.beam_width > 1:
+        _check(p.n <= p.beam_width, "n", f"must not exceed beam_width ({p.beam_width}) with beam search")
+    for name in ("end_id", "pad_id"):
+        value = getattr(p, name)
+        _check(value is None or 0 <= value < limits.vocab_size, name, f"must be in [0, {limits.vocab_size})")
+    _check(p.seed is None or p.seed >= 0, "seed", "must be >= 0")
+    _check_token_lists("stop_token_ids", p.stop_token_ids, limits.vocab_size)
+    _check_token_lists("bad_token_ids", p.bad_token_ids, limits.vocab_size)

@@ -1,0 +1,202 @@
+"""The in-flight batcher: which sequences compute how many tokens this step.
+
+Plain Python over a BlockManager; no model, no tensors. Each step runs three phases:
+  1. running sequences (decodes, then unfinished prefills), in arrival order;
+  2. waiting sequences (new or preempted), while the batch, the token budget and the policy allow;
+  3. under MAX_UTILIZATION, preemption (by recompute) frees blocks for phase 1 when they run out.
+STATIC batching (Triton's V1) admits a new batch only once the previous one has finished.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from app.engine.block_manager import BlockManager
+from app.engine.config import BatchingType, SchedulerPolicy
+from app.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_tokens: int  # tokens computed this step, from seq.num_computed_tokens on
+
+    @property
+    def samples(self) -> bool:
+        """Whether this step reaches the end of the known tokens, so a new token is sampled."""
+        return self.seq.num_computed_tokens + self.num_tokens == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass
+class SchedulerLimits:
+    max_batch_size: int
+    max_num_tokens: int
+    chunked_prefill: bool
+    policy: SchedulerPolicy
+    batching: BatchingType
+
+
+class Scheduler:
+    def __init__(self, limits: SchedulerLimits, block_manager: BlockManager):
+        self.limits = limits
+        self.blocks = block_manager
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.pending_copies: list[tuple[int, int]] = []
+        self.num_preempted_total = 0
+
+    # -- membership --------------------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def add_fork(self, parent: Sequence, child: Sequence) -> None:
+        """A beam-search child joins right after its parent, sharing its blocks."""
+        copy = self.blocks.fork(parent, child)
+        if copy:
+            self.pending_copies.append(copy)
+        self.running.insert(self.running.index(parent) + 1, child)
+
+    def remove(self, seq: Sequence) -> None:
+        """Finished or aborted: leave the queues and give the blocks back now."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+        self.blocks.free(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- the step plan -----------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput(block_copies=self.pending_copies)
+        self.pending_copies = []
+        budget = self._schedule_running(out, self.limits.max_num_tokens)
+        if self.limits.batching is BatchingType.INFLIGHT or not self.running:
+            self._schedule_waiting(out, budget)
+        return out
+
+    def _tokens_for(self, seq: Sequence, budget: int) -> int:
+        remaining = seq.num_tokens - seq.num_computed_tokens
+        if remaining <= budget:
+            return remaining
+        return budget if self.limits.chunked_prefill else 0
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        done_groups = set()
+        # Decodes before prefill chunks, so that a long prompt cannot starve the batch.
+        for seq in sorted(self.running, key=lambda s: s.num_tokens - s.num_computed_tokens > 1):
+            if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
+                continue
+            group = seq.beam_group
+            if group is not None:
+                if id(group) not in done_groups:
+                    done_groups.add(id(group))
+                    budget = self._schedule_beam_group(out, group, budget)
+                continue
+            n = self._tokens_for(seq, budget)
+            if n == 0:
+                continue
+            if not self._grow_or_preempt(seq, seq.num_computed_tokens + n, out):
+                continue
+            out.scheduled.append(ScheduledSeq(seq, n))
+            budget -= n
+        return budget
+
+    def _schedule_beam_group(self, out: SchedulerOutput, group, budget: int) -> int:
+        """Beams advance in lockstep: all of a group's sequences in one step, or none."""
+        seqs = group.running
+        plans = [(s, self._tokens_for(s, budget)) for s in seqs]
+        total = sum(n for _, n in plans)
+        if any(n == 0 for _, n in plans) or total > budget:
+            return budget
+        for seq, n in plans:
+            if not self._grow_or_preempt(seq, seq.num_computed_tokens + n, out):
+                return budget  # blocks already grown stay with their sequences for the next step
+        out.scheduled.extend(ScheduledSeq(seq, n) for seq, n in plans)
+        return budget - total
+
+    def _grow_or_preempt(self, seq: Sequence, num_tokens: int, out: SchedulerOutput) -> bool:
+        while not self.blocks.ensure_slots(seq, num_tokens):
+            if self.limits.policy is SchedulerPolicy.GUARANTEED_NO_EVICT:
+                return False  # cannot happen while reservations hold; wait rather than evict
+            victim = self._pick_victim()
+            if victim is None:
+                return False
+            self._preempt(victim, out)
+            if victim is seq:
+                return False
+        return True
+
+    def _pick_victim(self) -> Sequence | None:
+        for seq in reversed(self.running):  # the latest arrival loses its place first
+            if seq.beam_group is None:
+                return seq
+        return None
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        """Recompute later: drop the KV (reuse may bring it back) and queue at the front."""
+        self.running.remove(seq)
+        self.blocks.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preempted_total += 1
+        self.waiting.appendleft(seq)
+        out.preempted.append(seq)
+        out.scheduled = [s for s in out.scheduled if s.seq is not seq]
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.limits.max_batch_size:
+            seq = self.waiting[0]
+            width = seq.params.beam_width
+            if len(self.running) + width > self.limits.max_batch_size:
+                break
+            n = self._tokens_for(seq, budget)
+            if n == 0 or not self._can_admit(seq, n):
+                break  # first come, first served: no overtaking
+            self.waiting.popleft()
+            self.blocks.allocate_cached_prefix(seq)
+            n = self._tokens_for(seq, budget)  # cached prefix blocks shorten the work
+            assert self.blocks.ensure_slots(seq, seq.num_computed_tokens + n)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.scheduled.append(ScheduledSeq(seq, n))
+            budget -= n
+
+    def _can_admit(self, seq: Sequence, num_tokens: int) -> bool:
+        guaranteed = (self.limits.policy is SchedulerPolicy.GUARANTEED_NO_EVICT
+                      or seq.params.beam_width > 1 or self.limits.batching is BatchingType.STATIC)
+        if not guaranteed:
+            return self.blocks.blocks_needed_to_admit(seq, num_tokens) <= self.blocks.num_free_blocks
+        need = self.blocks.blocks_needed_to_admit(seq, seq.max_total_tokens) * seq.params.beam_width
+        return need <= self.blocks.num_free_blocks - self._reservation()
+
+    def _reservation(self) -> int:
+        """Blocks the running sequences may still claim before they finish."""
+        reserved, seen_groups = 0, set()
+        for seq in self.running:
+            group = seq.beam_group
+            if group is None:
+                reserved += max(0, self.blocks.blocks_for(seq.max_total_tokens) - len(seq.block_table))
+            elif id(group) not in seen_groups:
+                seen_groups.add(id(group))
+                held = sum(len(s.block_table) for s in group.running)
+                reserved += max(0, group.width * self.blocks.blocks_for(seq.max_total_tokens) - held)
+        return reserved

@@ -1,0 +1,146 @@
+"""One generated sequence: its tokens, KV blocks, stop state and timing."""
+from __future__ import annotations
+
+import enum
+import time
+
+import torch
+
+from app.engine.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    FINISHED = enum.auto()
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # end id or a stop sequence
+    LENGTH = "length"  # max_tokens
+    ABORT = "abort"
+
+
+class Sequence:
+    """Token ids (prompt then output), the KV blocks holding them, and per-sequence state.
+
+    num_computed_tokens counts tokens whose KV is in the cache; tokens past it are computed by the
+    next scheduled step. A sequence whose computed count reaches num_tokens samples a new token.
+    """
+
+    def __init__(self, seq_id: int, request_id: str, index: int, prompt_token_ids: list[int],
+                 params: SamplingParams, eos_ids: frozenset[int], generator: torch.Generator | None,
+                 adapter_id: str | None = None, arrival_ns: int | None = None):
+        self.seq_id = seq_id
+        self.request_id = request_id
+        self.index = index  # which of the request's n outputs this is
+        self.token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.params = params
+        self.eos_ids = frozenset([params.end_id]) if params.end_id is not None else eos_ids
+        self.generator = generator
+        self.adapter_id = adapter_id
+        self.status = SequenceStatus.WAITING
+        self.num_computed_tokens = 0
+        self.block_table: list[int] = []
+        self.block_hashes: list[int] = []  # chained hashes of the full blocks registered so far
+        self.output_logprobs: list[float] = []
+        self.cumulative_logprob = 0.0
+        self.num_emitted = 0  # output tokens already handed to the caller
+        self.finish_reason: FinishReason | None = None
+        self.stop_reason: int | list[int] | None = None
+        self.beam_group = None  # set by BeamGroup for beam-search sequences
+        self.arrival_ns = arrival_ns or time.time_ns()
+        self.first_scheduled_ns = 0
+        self.first_token_ns = 0
+        self.last_token_ns = 0
+        self.reused_blocks = 0
+        self.new_blocks = 0
+        self.num_preemptions = 0
+
+    # -- sizes -------------------------------------------------------------------------------------
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def max_total_tokens(self) -> int:
+        return self.num_prompt_tokens + self.params.max_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    # -- generation --------------------------------------------------------------------------------
+    def append_token(self, token_id: int, logprob: float) -> None:
+        self.token_ids.append(token_id)
+        self.output_logprobs.append(logprob)
+        self.cumulative_logprob += logprob
+        now = time.time_ns()
+        self.first_token_ns = self.first_token_ns or now
+        self.last_token_ns = now
+
+    def check_stop(self) -> FinishReason | None:
+        """After append_token: decide whether the sequence ends, and cut what must not be output."""
+        p = self.params
+        last = self.token_ids[-1]
+        if not p.ignore_eos and last in self.eos_ids:
+            self._truncate(1)
+            return self._finish(FinishReason.STOP, last)
+        if self.num_output_tokens >= p.min_tokens:
+            for stop in p.stop_token_ids:
+                if len(stop) <= self.num_output_tokens and self.token_ids[-len(stop):] == stop:
+                    self._truncate(len(stop))
+                    return self._finish(FinishReason.STOP, stop)
+        if self.num_output_tokens >= p.max_tokens:
+            return self._finish(FinishReason.LENGTH, None)
+        return None
+
+    def _truncate(self, n: int) -> None:
+        for _ in range(n):
+            self.token_ids.pop()
+            self.cumulative_logprob -= self.output_logprobs.pop()
+
+    def _finish(self, reason: FinishReason, stop_reason) -> FinishReason:
+        self.finish_reason = reason
+        self.stop_reason = stop_reason
+        return reason
+
+    def num_emittable(self) -> int:
+        """Output tokens safe to stream: those that cannot still turn out to start a stop sequence."""
+        n_out = self.num_output_tokens
+        if self.finish_reason is not None or not self.params.stop_token_ids:
+            return n_out
+        out = self.token_ids
+        hold = 0
+        for stop in self.params.stop_token_ids:
+            for k in range(min(len(stop) - 1, n_out), hold, -1):
+                if out[len(out) - k:] == stop[:k]:
+                    hold = k
+                    break
+        return n_out - hold
+
+    def fork(self, seq_id: int) -> Sequence:
+        """A copy sharing history (beam search); the caller gives it its blocks."""
+        child = Sequence(seq_id, self.request_id, self.index, [], self.params, self.eos_ids, None,
+                         self.adapter_id, self.arrival_ns)
+        child.token_ids = list(self.token_ids)
+        child.num_prompt_tokens = self.num_prompt_tokens
+        child.output_logprobs = list(self.output_logprobs)
+        child.cumulative_logprob = self.cumulative_logprob
+        child.num_computed_tokens = self.num_computed_tokens
+        child.block_hashes = list(self.block_hashes)
+        child.status = self.status
+        child.beam_group = self.beam_group
+        child.first_scheduled_ns = self.first_scheduled_ns
+        child.first_token_ns = self.first_token_ns
+        child.last_token_ns = self.last_token_ns
+        return child

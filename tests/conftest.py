@@ -1,0 +1,91 @@
+"""Shared fixtures: a small random Llama and the embedded SmolLM2, with transformers references."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from app.engine import EngineConfig, LLMEngine
+from app.engine.model_loader import resolve_model_dir
+
+torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory) -> Path:
+    """A 2-layer Llama with GQA and untied embeddings, saved as an HF safetensors directory.
+    The init is wide (std 0.2) so that logits are peaked and greedy choices are far from ties."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         initializer_range=0.2, bos_token_id=0, eos_token_id=1, pad_token_id=1,
+                         tie_word_embeddings=False, rope_theta=10000.0)
+    model = LlamaForCausalLM(config)
+    path = tmp_path_factory.mktemp("tiny-llama")
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    return resolve_model_dir("smollm2-135m")
+
+
+@pytest.fixture(scope="session")
+def tiny_hf(tiny_llama_dir):
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf(smollm2_dir):
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer(smollm2_dir):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(smollm2_dir)
+
+
+def make_engine(model_dir: Path, max_tokens: int = 4096, tokens_per_block: int = 8, reuse: bool = True,
+                **overrides) -> LLMEngine:
+    kv = {"max_tokens": max_tokens, "tokens_per_block": tokens_per_block, "enable_block_reuse": reuse}
+    return LLMEngine(EngineConfig(model=str(model_dir), kv_cache_config=kv, **overrides))
+
+
+def hf_greedy(model, prompt: list[int], max_new_tokens: int, **kwargs) -> list[int]:
+    """transformers' greedy continuation, with the end-of-sequence token cut as our engine does."""
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
+                             pad_token_id=model.config.eos_token_id, **kwargs)[0, len(prompt):].tolist()
+    eos = model.generation_config.eos_token_id
+    eos = set(eos if isinstance(eos, list) else [eos])
+    return out[:-1] if out and out[-1] in eos else out
+
+
+def random_prompts(n: int, low: int, high: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(low, high + 1, (n,), generator=g).tolist()
+    return [torch.randint(2, vocab, (length,), generator=g).tolist() for length in lengths]
+
+
+def run_staggered(engine: LLMEngine, prompts: list[list[int]], params, arrivals: list[int]) -> list:
+    """Add prompt i at step arrivals[i]; run until all finish; return merged outputs in prompt order."""
+    from app.engine.llm_engine import merge_outputs
+
+    params = params if isinstance(params, list) else [params] * len(prompts)
+    merged, pending, step = {}, set(range(len(prompts))), 0
+    while pending or engine.has_unfinished_requests():
+        for i in sorted(pending):
+            if arrivals[i] <= step:
+                engine.add_request(f"r{i}", prompts[i], params[i])
+                pending.discard(i)
+        for out in engine.step():
+            merged[out.request_id] = merge_outputs(merged.get(out.request_id), out)
+        step += 1
+    return [merged[f"r{i}"] for i in range(len(prompts))]

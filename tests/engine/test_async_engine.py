@@ -1,0 +1,77 @@
+"""The async front: streams, abort from the caller's side, failures that end streams."""
+import asyncio
+
+import pytest
+
+from app.engine import AsyncLLMEngine, EngineConfig, EngineDeadError, InvalidRequestError, SamplingParams
+from tests.conftest import make_engine, random_prompts
+
+PROMPTS = random_prompts(4, 5, 30, vocab=256, seed=21)
+
+
+@pytest.fixture(scope="module")
+def async_engine(tiny_llama_dir):
+    engine = AsyncLLMEngine(EngineConfig(), engine=make_engine(tiny_llama_dir))
+    yield engine
+    engine.shutdown()
+
+
+async def _collect(engine, rid, prompt, params):
+    tokens, finals = [], []
+    async for out in engine.generate(rid, prompt, params):
+        tokens.extend(out.outputs[0].token_ids)
+        finals.append(out.finished)
+    return tokens, finals
+
+
+def test_concurrent_streams_equal_offline_generate(async_engine, tiny_llama_dir):
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in make_engine(tiny_llama_dir).generate(PROMPTS, params)]
+
+    async def main():
+        return await asyncio.gather(*(_collect(async_engine, f"s{i}", p, params) for i, p in enumerate(PROMPTS)))
+
+    results = asyncio.run(main())
+    assert [tokens for tokens, _ in results] == expected
+    assert all(finals[-1] and not any(finals[:-1]) for _, finals in results)
+
+
+def test_leaving_a_stream_aborts_and_frees_blocks(async_engine):
+    async def main():
+        stream = async_engine.generate("gone", PROMPTS[0], SamplingParams(max_tokens=400, ignore_eos=True))
+        async for _ in stream:
+            break
+        await stream.aclose()
+        for _ in range(100):
+            stats = async_engine.stats()
+            if stats.num_running == 0 and stats.used_blocks == 0:
+                return True
+            await asyncio.sleep(0.02)
+        return False
+
+    assert asyncio.run(main())
+
+
+def test_invalid_request_raises_before_streaming(async_engine):
+    async def main():
+        async for _ in async_engine.generate("bad", [], SamplingParams()):
+            pass
+
+    with pytest.raises(InvalidRequestError, match="prompt"):
+        asyncio.run(main())
+    assert async_engine.healthy
+
+
+def test_a_dead_loop_fails_every_stream(tiny_llama_dir):
+    engine = make_engine(tiny_llama_dir)
+    engine.runner.execute = lambda plan: (_ for _ in ()).throw(RuntimeError("device lost"))
+    front = AsyncLLMEngine(EngineConfig(), engine=engine)
+
+    async def main():
+        return await asyncio.gather(*(_collect(front, f"d{i}", p, SamplingParams(max_tokens=4)) for i, p in
+                                      enumerate(PROMPTS)), return_exceptions=True)
+
+    results = asyncio.run(main())
+    assert all(isinstance(r, EngineDeadError) for r in results)
+    assert not front.healthy
+    front.shutdown()

@@ -1,0 +1,177 @@
+"""Engine behaviour request by request: stops, limits, sampling, beams, abort, reuse, metrics."""
+import pytest
+import torch
+
+from app.engine import InvalidRequestError, SamplingParams
+from tests.conftest import hf_greedy, make_engine, random_prompts
+
+PROMPT = random_prompts(1, 20, 20, vocab=256, seed=3)[0]
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llama_dir):
+    return make_engine(tiny_llama_dir)
+
+
+@pytest.fixture(scope="module")
+def greedy_tokens(engine):
+    return engine.generate([PROMPT], SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))[0].outputs[0].token_ids
+
+
+def _generate(engine, **params):
+    return engine.generate([PROMPT], SamplingParams(**params))[0]
+
+
+def test_stop_sequence_cuts_exactly(engine, greedy_tokens):
+    stop = greedy_tokens[5:8]
+    out = _generate(engine, max_tokens=24, temperature=0.0, ignore_eos=True, stop_token_ids=[[255, 254], stop])
+    first = next(i for i in range(len(greedy_tokens)) if greedy_tokens[i:i + 3] == stop)
+    assert out.outputs[0].token_ids == greedy_tokens[:first]
+    assert out.outputs[0].finish_reason == "stop" and out.outputs[0].stop_reason == stop
+
+
+def test_end_id_stops_and_min_tokens_holds(engine, greedy_tokens):
+    end = greedy_tokens[3]
+    first = greedy_tokens.index(end)
+    out = _generate(engine, max_tokens=24, temperature=0.0, end_id=end)
+    assert out.outputs[0].token_ids == greedy_tokens[:first]
+    assert out.outputs[0].finish_reason == "stop" and out.outputs[0].stop_reason == end
+    held = _generate(engine, max_tokens=24, temperature=0.0, end_id=end, min_tokens=first + 4).outputs[0]
+    assert len(held.token_ids) >= first + 4
+    assert end not in held.token_ids[:first + 4]
+
+
+def test_max_tokens_and_ignore_eos(engine):
+    out = _generate(engine, max_tokens=7, temperature=0.0, ignore_eos=True).outputs[0]
+    assert len(out.token_ids) == 7 and out.finish_reason == "length"
+
+
+def test_bad_words_are_never_produced(engine, greedy_tokens):
+    banned = greedy_tokens[2]
+    out = _generate(engine, max_tokens=24, temperature=0.0, ignore_eos=True, bad_token_ids=[[banned]]).outputs[0]
+    assert banned not in out.token_ids
+    assert out.token_ids[:2] == greedy_tokens[:2]
+    # A two-token bad word bans its last token only right after its first.
+    pair = greedy_tokens[4:6]
+    out = _generate(engine, max_tokens=24, temperature=0.0, ignore_eos=True, bad_token_ids=[pair]).outputs[0]
+    assert out.token_ids[:5] == greedy_tokens[:5] and out.token_ids[5] != pair[1]
+
+
+def test_repetition_penalty_matches_transformers(engine, tiny_hf):
+    out = _generate(engine, max_tokens=16, temperature=0.0, repetition_penalty=1.8).outputs[0]
+    assert out.token_ids == hf_greedy(tiny_hf, PROMPT, 16, repetition_penalty=1.8)[:len(out.token_ids)]
+
+
+def test_seeded_sampling_is_reproducible(engine):
+    params = dict(max_tokens=16, temperature=1.0, top_k=50, top_p=0.9, seed=1234, ignore_eos=True)
+    a = _generate(engine, **params).outputs[0].token_ids
+    b = _generate(engine, **params).outputs[0].token_ids
+    c = _generate(engine, **{**params, "seed": 99}).outputs[0].token_ids
+    assert a == b and a != c
+    # Seeded results do not depend on what else shares the batch.
+    mixed = engine.generate([PROMPT, PROMPT[:10]], [SamplingParams(**params), SamplingParams(**{**params, "seed": 7})])
+    assert mixed[0].outputs[0].token_ids == a
+
+
+def test_n_returns_independent_samples(engine):
+    out = _generate(engine, max_tokens=12, temperature=1.0, seed=5, n=3, ignore_eos=True)
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1
+
+
+def test_top_k_one_is_greedy(engine, greedy_tokens):
+    out = _generate(engine, max_tokens=24, temperature=0.7, top_k=1, ignore_eos=True).outputs[0]
+    assert out.token_ids == greedy_tokens
+
+
+def _hf_beams(model, prompt, width, max_new_tokens):
+    with torch.inference_mode():
+        seqs = model.generate(torch.tensor([prompt]), num_beams=width, num_return_sequences=width, do_sample=False,
+                              max_new_tokens=max_new_tokens, pad_token_id=-1)
+    eos = model.generation_config.eos_token_id
+    eos = set(eos if isinstance(eos, list) else [eos])
+    beams = []
+    for row in seqs[:, len(prompt):].tolist():
+        cut = next((i for i, t in enumerate(row) if t in eos or t == -1), len(row))
+        beams.append(row[:cut])
+    return beams
+
+
+@pytest.mark.parametrize("width", [2, 4])
+def test_beam_search_matches_transformers(engine, tiny_hf, width):
+    out = _generate(engine, max_tokens=12, beam_width=width)
+    assert [c.token_ids for c in out.outputs] == _hf_beams(tiny_hf, PROMPT, width, 12)
+    assert engine.stats().free_blocks == engine.stats().max_blocks
+
+
+def test_beam_search_with_end_of_sequence(smollm2_dir, smollm2_hf, smollm2_tokenizer):
+    prompt = smollm2_tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                                   add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+    engine = make_engine(smollm2_dir, tokens_per_block=16)
+    out = engine.generate([prompt], SamplingParams(max_tokens=16, beam_width=3))[0]
+    assert [c.token_ids for c in out.outputs] == _hf_beams(smollm2_hf, prompt, 3, 16)
+    assert out.outputs[0].finish_reason == "stop"
+
+
+def test_abort_frees_blocks_at_once(engine):
+    engine.add_request("long", PROMPT, SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True))
+    for _ in range(5):
+        engine.step()
+    assert engine.stats().used_blocks > 0
+    final = engine.abort_request("long")
+    assert final.finished and final.outputs[0].finish_reason == "abort"
+    stats = engine.stats()
+    assert stats.used_blocks == 0 and stats.num_running == 0
+    assert not engine.has_unfinished_requests()
+
+
+def test_block_reuse_on_shared_prefix(tiny_llama_dir):
+    engine = make_engine(tiny_llama_dir, tokens_per_block=8)
+    prefix = random_prompts(1, 32, 32, vocab=256, seed=11)[0]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    first = engine.generate([prefix + [5, 6]], params)[0]
+    second = engine.generate([prefix + [9, 10, 11]], params)[0]
+    assert first.metrics.kv_cache_reused_blocks == 0
+    assert second.metrics.kv_cache_reused_blocks == 4
+    assert second.metrics.kv_cache_hit_rate == pytest.approx(4 / second.metrics.kv_cache_alloc_total_blocks)
+    cold = make_engine(tiny_llama_dir, reuse=False).generate([prefix + [9, 10, 11]], params)[0]
+    assert second.outputs[0].token_ids == cold.outputs[0].token_ids
+
+
+def test_perf_metrics_are_ordered(engine):
+    m = _generate(engine, max_tokens=5, temperature=0.0, ignore_eos=True).metrics
+    assert 0 < m.arrival_time_ns <= m.first_scheduled_time_ns <= m.first_token_time_ns <= m.last_token_time_ns
+    assert m.num_prompt_tokens == len(PROMPT) and m.num_output_tokens == 5
+
+
+@pytest.mark.parametrize("field, params, prompt", [
+    ("prompt", {}, []),
+    ("prompt", {}, [300]),
+    ("max_tokens", {"max_tokens": 0}, PROMPT),
+    ("max_tokens", {"max_tokens": 500}, PROMPT),
+    ("temperature", {"temperature": -1.0}, PROMPT),
+    ("top_p", {"top_p": 0.0}, PROMPT),
+    ("top_k", {"top_k": -2}, PROMPT),
+    ("min_p", {"min_p": 1.5}, PROMPT),
+    ("repetition_penalty", {"repetition_penalty": 0.0}, PROMPT),
+    ("presence_penalty", {"presence_penalty": 3.0}, PROMPT),
+    ("min_tokens", {"min_tokens": 50, "max_tokens": 10}, PROMPT),
+    ("beam_width", {"beam_width": 9}, PROMPT),
+    ("n", {"n": 0}, PROMPT),
+    ("end_id", {"end_id": 256}, PROMPT),
+    ("stop_token_ids", {"stop_token_ids": [[]]}, PROMPT),
+    ("bad_token_ids", {"bad_token_ids": [[999]]}, PROMPT),
+])
+def test_bad_requests_name_the_field_and_engine_keeps_running(engine, greedy_tokens, field, params, prompt):
+    with pytest.raises(InvalidRequestError) as err:
+        engine.add_request("bad", prompt, SamplingParams(**params))
+    assert err.value.field == field and field in str(err.value)
+    assert _generate(engine, max_tokens=24, temperature=0.0, ignore_eos=True).outputs[0].token_ids == greedy_tokens
+
+
+def test_limits_are_named_in_messages(engine):
+    with pytest.raises(InvalidRequestError, match="max_seq_len 512"):
+        engine.add_request("long", PROMPT, SamplingParams(max_tokens=500))
+    chunkless = make_engine(engine.model_dir, enable_chunked_prefill=False, max_num_tokens=16)
+    with pytest.raises(InvalidRequestError, match="max_num_tokens 16"):
+        chunkless.add_request("long", PROMPT, SamplingParams())

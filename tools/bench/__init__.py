@@ -1,0 +1,1 @@
+"""Benchmark pieces: workloads, runners (our engine, transformers), and the report."""

@@ -1,0 +1,44 @@
+"""Drive our engine in-process (no Ray) through a workload, recording per-request timings."""
+from __future__ import annotations
+
+import time
+
+from app.engine import LLMEngine, SamplingParams
+from tools.bench.report import RequestTiming, RunResult, summarize
+from tools.bench.workload import Workload
+
+
+def run_engine(engine: LLMEngine, wl: Workload, name: str = "ours") -> RunResult:
+    params = SamplingParams(max_tokens=wl.output_len, temperature=0.0, ignore_eos=wl.ignore_eos)
+    arrived: dict[str, float] = {}
+    chunks: dict[str, list[float]] = {}
+    tokens: dict[str, int] = {}
+    steps_before = engine.num_steps
+    start = time.perf_counter()
+    next_i = 0
+    while next_i < wl.num_requests or engine.has_unfinished_requests():
+        now = time.perf_counter() - start
+        in_flight = len(arrived) - sum(1 for rid in arrived if rid in tokens and rid not in engine.requests)
+        while next_i < wl.num_requests and in_flight < wl.concurrency and (
+                wl.arrivals_s is None or wl.arrivals_s[next_i] <= now):
+            rid = f"bench-{next_i}"
+            adapter = wl.adapters[next_i] if wl.adapters else None
+            engine.add_request(rid, wl.prompts[next_i], params, adapter_id=adapter)
+            arrived[rid] = time.perf_counter()
+            next_i, in_flight = next_i + 1, in_flight + 1
+        if not engine.has_unfinished_requests():
+            time.sleep(max(0.0, wl.arrivals_s[next_i] - (time.perf_counter() - start)))
+            continue
+        outputs = engine.step()
+        t = time.perf_counter()
+        for out in outputs:
+            chunks.setdefault(out.request_id, []).append(t)
+            tokens[out.request_id] = tokens.get(out.request_id, 0) + sum(len(c.token_ids) for c in out.outputs)
+    wall = time.perf_counter() - start
+    timings = [RequestTiming(ttft_s=chunks[rid][0] - arrived[rid], e2e_s=chunks[rid][-1] - arrived[rid],
+                             output_tokens=tokens[rid], itl_s=[b - a for a, b in zip(chunks[rid], chunks[rid][1:])])
+               for rid in arrived]
+    stats = engine.stats()
+    extra = {"steps": engine.num_steps - steps_before, "preemptions": stats.num_preempted_total,
+             "kv_hit_rate": stats.kv_cache_hit_rate}
+    return summarize(name, wall, timings, sum(len(p) for p in wl.prompts), extra)

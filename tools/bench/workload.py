@@ -1,0 +1,40 @@
+"""A fixed, seeded workload: prompts of token ids, output lengths and arrival times."""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+
+@dataclass
+class Workload:
+    prompts: list[list[int]]
+    output_len: int
+    ignore_eos: bool
+    arrivals_s: list[float] | None  # offsets from the start, or None: limited by concurrency only
+    concurrency: int
+    adapters: list[str | None] | None = None
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.prompts)
+
+
+def parse_range(text: str) -> tuple[int, int]:
+    lo, _, hi = text.partition(":")
+    return int(lo), int(hi or lo)
+
+
+def synthetic(num_requests: int, input_len: str, output_len: int, vocab_size: int, seed: int = 0,
+              ignore_eos: bool = True, concurrency: int = 16, request_rate: float | None = None,
+              arrival: str = "exponential") -> Workload:
+    """Random-token prompts (vllm bench's "random" dataset) with lengths uniform in input_len."""
+    rng = random.Random(seed)
+    lo, hi = parse_range(input_len)
+    prompts = [[rng.randrange(100, vocab_size) for _ in range(rng.randint(lo, hi))] for _ in range(num_requests)]
+    arrivals = None
+    if request_rate:
+        t, arrivals = 0.0, []
+        for _ in range(num_requests):
+            arrivals.append(t)
+            t += rng.expovariate(request_rate) if arrival == "exponential" else 1.0 / request_rate
+    return Workload(prompts, output_len, ignore_eos, arrivals, concurrency)

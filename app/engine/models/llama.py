@@ -8,7 +8,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from app.engine.models.attention import AttentionMetadata, paged_attention
-from app.engine.models.layers import Linear, MergedLinear, RMSNorm, RotaryEmbedding, cpu_packing_available
+from app.engine.models.layers import (Linear, MergedLinear, RMSNorm, RotaryEmbedding, apply_rotary,
+                                      cpu_packing_available)
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
@@ -74,10 +75,10 @@ class Attention(nn.Module):
         self.split = (q_size, kv_size, kv_size)
         self.scale = cfg.head_dim ** -0.5
 
-    def forward(self, x, positions, rotary, kv_cache, meta: AttentionMetadata):
+    def forward(self, x, rope, kv_cache, meta: AttentionMetadata):
         q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
         t = x.shape[0]
-        q, k = rotary(positions, q.view(t, self.num_heads, self.head_dim), k.view(t, self.num_kv_heads, self.head_dim))
+        q, k = apply_rotary(q.view(t, self.num_heads, self.head_dim), k.view(t, self.num_kv_heads, self.head_dim), *rope)
         o = paged_attention(q, k, v.view(t, self.num_kv_heads, self.head_dim), kv_cache[0], kv_cache[1], meta, self.scale)
         return self.o_proj(o.view(t, -1))
 
@@ -90,7 +91,7 @@ class MLP(nn.Module):
 
     def forward(self, x):
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(F.silu(gate).mul_(up))
 
 
 class DecoderLayer(nn.Module):
@@ -101,9 +102,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp = MLP(cfg, dtype)
 
-    def forward(self, x, positions, rotary, kv_cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, rope, kv_cache, meta):
+        x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta)
+        return x.add_(self.mlp(self.post_attention_layernorm(x)))
 
 
 class LlamaForCausalLM(nn.Module):
@@ -133,8 +134,9 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata, logits_indices):
         """Hidden states for the packed tokens; logits only for the rows in logits_indices."""
         x = self.embed_tokens(input_ids)
+        rope = self.rotary.table(positions, x.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, positions, self.rotary, kv_cache, meta)
+            x = layer(x, rope, kv_cache, meta)
         return self.lm_head(self.norm(x[logits_indices])).float()
 
     def load_hf_tensor(self, name: str, tensor: torch.Tensor) -> bool:

@@ -1,0 +1,127 @@
+"""The model config file (configs/*.yaml): one pydantic schema, validated once at start-up.
+
+Engine keys mirror TensorRT-LLM's model.yaml; their defaults come from the engine's own dataclasses,
+so each default lives in one place. The `serve` section holds Ray Serve options per stage.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from app.engine.config import BatchingType, EngineConfig, KvCacheConfig, SchedulerPolicy
+
+
+class ConfigError(ValueError):
+    """A config file that cannot start the service; the message is one sentence naming the key."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+
+class KvCacheSection(_Strict):
+    enable_block_reuse: bool = KvCacheConfig.enable_block_reuse
+    tokens_per_block: int = Field(KvCacheConfig.tokens_per_block, ge=1, le=1024)
+    max_tokens: int | None = Field(KvCacheConfig.max_tokens, ge=1)
+    free_gpu_memory_fraction: float = Field(KvCacheConfig.free_gpu_memory_fraction, gt=0.0, le=1.0)
+
+
+class AutoscalingSection(_Strict):
+    min_replicas: int = Field(1, ge=0)
+    max_replicas: int = Field(1, ge=1)
+    target_ongoing_requests: float = Field(16, gt=0)
+    upscale_delay_s: float = Field(5.0, ge=0)
+    downscale_delay_s: float = Field(30.0, ge=0)
+
+
+class StageSection(_Strict):
+    """Ray Serve options of one deployment of the DAG."""
+
+    num_replicas: int = Field(1, ge=1)
+    autoscaling: AutoscalingSection | None = None
+    max_ongoing_requests: int = Field(256, ge=1, description="requests a replica works on at once")
+    max_queued_requests: int = Field(1024, ge=-1, description="requests waiting for a replica; -1: unbounded")
+    num_cpus: float = Field(0.5, ge=0)
+    # Streaming hops coalesce deltas by time: the first chunk goes at once, later ones at most this often.
+    stream_interval_ms: float = Field(50.0, ge=0.0, le=1000.0)
+
+    def deployment_options(self) -> dict:
+        options = {"max_ongoing_requests": self.max_ongoing_requests,
+                   "max_queued_requests": self.max_queued_requests,
+                   "ray_actor_options": {"num_cpus": self.num_cpus}}
+        if self.autoscaling is not None:
+            options["autoscaling_config"] = self.autoscaling.model_dump()
+        else:
+            options["num_replicas"] = self.num_replicas
+        return options
+
+
+class ServeSection(_Strict):
+    ingress: StageSection = StageSection(num_cpus=0.25)
+    tokenizer: StageSection = StageSection(num_cpus=0.25)
+    engine: StageSection = StageSection(num_cpus=1.0)
+    detokenizer: StageSection = StageSection(num_cpus=0.25)
+
+
+class ServiceConfig(_Strict):
+    """One model served: engine keys (model.yaml spirit) plus per-stage Serve options."""
+
+    model: str = EngineConfig.model
+    served_model_name: str | None = Field(None, description="name on the routes; default: from `model`")
+    backend: Literal["torch", "trtllm", "triton"] = "torch"
+    tensor_parallel_size: int = Field(1, ge=1)
+    pipeline_parallel_size: int = Field(1, ge=1)
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = EngineConfig.dtype
+    device: str = EngineConfig.device
+    max_batch_size: int = Field(EngineConfig.max_batch_size, ge=1)
+    max_num_tokens: int = Field(EngineConfig.max_num_tokens, ge=1)
+    max_seq_len: int | None = Field(EngineConfig.max_seq_len, ge=2)
+    enable_chunked_prefill: bool = EngineConfig.enable_chunked_prefill
+    scheduler_policy: SchedulerPolicy = EngineConfig.scheduler_policy
+    batching_type: BatchingType = EngineConfig.batching_type
+    max_beam_width: int = Field(EngineConfig.max_beam_width, ge=1)
+    kv_cache_config: KvCacheSection = KvCacheSection()
+    seed: int = EngineConfig.seed
+    max_tokens_default: int = Field(64, ge=1, description="max_tokens when a request names none")
+    trust_remote_code: bool = False
+    serve: ServeSection = ServeSection()
+
+    @property
+    def name(self) -> str:
+        return self.served_model_name or Path(self.model).name.removesuffix(".gguf")
+
+    def engine_config(self) -> EngineConfig:
+        return EngineConfig(
+            model=self.model, dtype=self.dtype, device=self.device, max_batch_size=self.max_batch_size,
+            max_num_tokens=self.max_num_tokens, max_seq_len=self.max_seq_len,
+            enable_chunked_prefill=self.enable_chunked_prefill, scheduler_policy=self.scheduler_policy,
+            batching_type=self.batching_type, max_beam_width=self.max_beam_width,
+            kv_cache_config=KvCacheConfig(**self.kv_cache_config.model_dump()), seed=self.seed)
+
+
+def load_config(path: str | Path) -> ServiceConfig:
+    """Read and validate a config file; any problem becomes one ConfigError sentence."""
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError(f"{path}: cannot read the config file ({exc})") from None
+    return parse_config(data, str(path))
+
+
+def parse_config(data: dict, source: str = "config") -> ServiceConfig:
+    try:
+        config = ServiceConfig.model_validate(data)
+        config.engine_config()  # the engine's own checks (powers of two, ranges)
+        return config
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        key = ".".join(str(p) for p in err["loc"])
+        if err["type"] == "extra_forbidden":
+            raise ConfigError(f"{source}: unknown key '{key}'") from None
+        raise ConfigError(f"{source}: key '{key}': {err['msg']} (got {err.get('input')!r})") from None
+    except ValueError as exc:
+        raise ConfigError(f"{source}: {exc}") from None

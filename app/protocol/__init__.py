@@ -1,0 +1,1 @@
+"""HTTP request/response shapes (Triton generate, KServe v2, OpenAI) and the DAG's own messages."""

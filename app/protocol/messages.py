@@ -1,0 +1,65 @@
+"""What travels between the DAG's stages: front-end neutral, picklable, small."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from app.engine.outputs import RequestMetrics
+from app.engine.sampling_params import SamplingParams
+
+
+@dataclass
+class GenerationJob:
+    """A request as the ingress understood it: text, chat messages or token ids, plus parameters."""
+
+    request_id: str
+    params: SamplingParams
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+    messages: list[dict] | None = None
+    stop: list[str] = field(default_factory=list)  # stop strings, matched on text
+    bad_words: list[str] = field(default_factory=list)
+
+
+@dataclass
+class TokenizedJob:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams  # stop/bad words now as token-id sequences too
+    stop: list[str]
+
+
+@dataclass
+class TextOutput:
+    index: int
+    text: str  # the new text since the previous chunk
+    token_ids: list[int]
+    logprobs: list[float] | None
+    cumulative_logprob: float
+    finish_reason: str | None = None
+    stop_reason: int | str | list[int] | None = None
+
+
+@dataclass
+class TextChunk:
+    """The detokenizer's stream item: new text of each output, and at the end the metrics."""
+
+    outputs: list[TextOutput]
+    finished: bool
+    num_prompt_tokens: int
+    metrics: RequestMetrics | None = None
+
+
+def merge_chunks(a: TextChunk, b: TextChunk) -> TextChunk:
+    by_index = {o.index: TextOutput(**vars(o)) for o in a.outputs}
+    for o in b.outputs:
+        prev = by_index.get(o.index)
+        if prev is None:
+            by_index[o.index] = TextOutput(**vars(o))
+            continue
+        prev.text += o.text
+        prev.token_ids = prev.token_ids + o.token_ids
+        if o.logprobs is not None:
+            prev.logprobs = (prev.logprobs or []) + o.logprobs
+        prev.cumulative_logprob = o.cumulative_logprob
+        prev.finish_reason, prev.stop_reason = o.finish_reason, o.stop_reason
+    return TextChunk([by_index[i] for i in sorted(by_index)], b.finished, b.num_prompt_tokens, b.metrics or a.metrics)

@@ -1,0 +1,126 @@
+"""OpenAI-compatible /v1 shapes: models, completions, chat completions (streaming and not)."""
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from app.engine.errors import InvalidRequestError
+from app.engine.sampling_params import SamplingParams
+from app.protocol.messages import GenerationJob, TextChunk
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="ignore")  # OpenAI clients send fields we do not use (user, ...)
+
+    model: str
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    n: int = Field(1, ge=1, le=16)
+    stream: bool = False
+    stop: str | list[str] | None = None
+    seed: int | None = Field(None, ge=0)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(1.0, gt=0.0)
+    min_tokens: int = Field(0, ge=0)
+    ignore_eos: bool = False
+
+
+class CompletionRequest(_Request):
+    prompt: str | list[int] | list[str]
+    logprobs: int | None = Field(None, ge=0, le=5)
+    echo: bool = False
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str
+
+
+class ChatRequest(_Request):
+    messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: bool = False
+
+
+def _validate(cls, body: Any):
+    try:
+        return cls.model_validate(body)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        raise InvalidRequestError(".".join(str(p) for p in err["loc"]) or "body", err["msg"]) from None
+
+
+def _job(req: _Request, max_tokens_default: int, logprobs: bool, **prompt) -> GenerationJob:
+    stop = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
+    params = SamplingParams(
+        max_tokens=req.max_completion_tokens or req.max_tokens or max_tokens_default, temperature=req.temperature,
+        top_p=req.top_p, top_k=req.top_k, min_p=req.min_p, n=req.n, seed=req.seed,
+        presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+        repetition_penalty=req.repetition_penalty, min_tokens=req.min_tokens, ignore_eos=req.ignore_eos,
+        logprobs=logprobs)
+    return GenerationJob(request_id=f"cmpl-{uuid.uuid4().hex}", params=params, stop=stop, **prompt)
+
+
+def parse_completion(body: Any, max_tokens_default: int) -> tuple[GenerationJob, CompletionRequest]:
+    req = _validate(CompletionRequest, body)
+    if isinstance(req.prompt, list) and req.prompt and isinstance(req.prompt[0], str):
+        if len(req.prompt) != 1:
+            raise InvalidRequestError("prompt", "takes one prompt per request")
+        req.prompt = req.prompt[0]
+    prompt = {"prompt_token_ids": req.prompt} if isinstance(req.prompt, list) else {"prompt": req.prompt}
+    return _job(req, max_tokens_default, req.logprobs is not None, **prompt), req
+
+
+def parse_chat(body: Any, max_tokens_default: int) -> tuple[GenerationJob, ChatRequest]:
+    req = _validate(ChatRequest, body)
+    messages = [m.model_dump() for m in req.messages]
+    return _job(req, max_tokens_default, req.logprobs, messages=messages), req
+
+
+def models_list(names: list[str]) -> dict:
+    return {"object": "list", "data": [{"id": n, "object": "model", "created": 0, "owned_by": "llm-serve"}
+                                       for n in names]}
+
+
+def _usage(chunk: TextChunk, completion_tokens: int) -> dict:
+    return {"prompt_tokens": chunk.num_prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": chunk.num_prompt_tokens + completion_tokens}
+
+
+def completion_response(job_id: str, model: str, chunk: TextChunk, chat: bool, stream: bool,
+                        echo_text: str = "") -> dict:
+    """A whole response (stream=False) or one SSE chunk (stream=True) in OpenAI's shape."""
+    choices = []
+    for o in chunk.outputs:
+        finish = o.finish_reason if o.finish_reason != "abort" else None
+        if chat:
+            body = {"delta" if stream else "message": ({"role": "assistant", "content": o.text})}
+            choice = {"index": o.index, **body, "finish_reason": finish}
+            if o.logprobs is not None:
+                choice["logprobs"] = {"content": [{"token": str(t), "logprob": lp, "bytes": None, "top_logprobs": []}
+                                                  for t, lp in zip(o.token_ids, o.logprobs)]}
+        else:
+            choice = {"index": o.index, "text": echo_text + o.text, "finish_reason": finish,
+                      "logprobs": {"tokens": [str(t) for t in o.token_ids], "token_logprobs": o.logprobs}
+                      if o.logprobs is not None else None}
+        choices.append(choice)
+    obj = "chat.completion" if chat else "text_completion"
+    out = {"id": job_id, "object": obj + (".chunk" if stream and chat else ""), "created": int(time.time()),
+           "model": model, "choices": choices}
+    if not stream or chunk.finished:
+        out["usage"] = _usage(chunk, sum(len(o.token_ids) for o in chunk.outputs))
+    return out
+
+
+def error_body(exc: InvalidRequestError | str, status: int = 400, param: str | None = None) -> dict:
+    message = str(exc)
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    return {"error": {"message": message, "type": kind, "param": getattr(exc, "field", param), "code": status}}

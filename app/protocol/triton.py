@@ -1,0 +1,170 @@
+"""Triton's generate extension as the TensorRT-LLM model repository uses it.
+
+Model names: the configured one and `ensemble` / `tensorrt_llm_bls` take text (text_input) and
+return text_output; `tensorrt_llm` takes text the llmapi way (text_input + sampling_param_*) or
+token ids the inflight_batcher way (input_ids + request_output_len) and then returns output_ids.
+Fields may sit at the top level or under "parameters" (Triton merges both).
+"""
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from app.engine.errors import InvalidRequestError
+from app.engine.sampling_params import SamplingParams
+from app.protocol.messages import GenerationJob, TextChunk
+
+TEXT_MODELS = ("ensemble", "tensorrt_llm_bls")
+IDS_MODEL = "tensorrt_llm"
+MODEL_VERSION = "1"
+
+# Alternative spellings used by the seeds' models -> our field name.
+ALIASES = {
+    "request_output_len": "max_tokens", "runtime_top_k": "top_k", "runtime_top_p": "top_p",
+    "len_penalty": "length_penalty", "streaming": "stream", "beam_width": "beam_width",
+    "sampling_param_max_tokens": "max_tokens", "sampling_param_temperature": "temperature",
+    "sampling_param_top_k": "top_k", "sampling_param_top_p": "top_p",
+    "sampling_param_frequency_penalty": "frequency_penalty", "sampling_param_presence_penalty": "presence_penalty",
+    "sampling_param_seed": "seed", "sampling_param_stop": "stop_words", "sampling_param_best_of": "best_of",
+    "sampling_param_exclude_input_from_output": "exclude_input_in_output",
+    "sampling_param_return_perf_metrics": "return_perf_metrics", "sampling_param_min_tokens": "min_tokens",
+    "sampling_param_repetition_penalty": "repetition_penalty", "stop_words_list": "stop_token_ids",
+    "bad_words_list": "bad_token_ids", "sampling_param_n": "num_return_sequences",
+}
+
+
+LIST_FIELDS = ("input_ids", "stop_token_ids", "bad_token_ids", "bad_words", "stop_words")
+
+
+def _one(value):
+    """A scalar sent as a Triton batch of one ([x] or [[x]]) -> x."""
+    while isinstance(value, list) and len(value) == 1:
+        value = value[0]
+    return value
+
+
+class TritonGenerateRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    text_input: str | None = None
+    input_ids: list[int] | None = None
+    input_lengths: int | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    bad_words: list[str] | None = None
+    stop_words: list[str] | None = None
+    stop_token_ids: list[list[int]] | None = None
+    bad_token_ids: list[list[int]] | None = None
+    end_id: int | None = Field(None, ge=0)
+    pad_id: int | None = Field(None, ge=0)
+    top_k: int | None = Field(None, ge=0)
+    top_p: float | None = Field(None, ge=0.0, le=1.0)
+    temperature: float | None = Field(None, ge=0.0)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    length_penalty: float | None = None
+    repetition_penalty: float | None = Field(None, gt=0.0)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    min_tokens: int | None = Field(None, ge=0)
+    seed: int | None = Field(None, ge=0)
+    beam_width: int | None = Field(None, ge=1)
+    best_of: int | None = Field(None, ge=1)
+    num_return_sequences: int | None = Field(None, ge=1)
+    stream: bool | None = None
+    stop: bool | None = None  # a stop request for an id in flight (the inflight_batcher client)
+    exclude_input_in_output: bool | None = None
+    return_log_probs: bool | None = None
+    return_perf_metrics: bool | None = None
+    request_id: str | None = None
+
+    @field_validator("bad_words", "stop_words", mode="before")
+    @classmethod
+    def _words(cls, v):
+        v = v[0] if isinstance(v, list) and v and isinstance(v[0], list) else v  # a batch of one
+        if v is None or v == "":
+            return []
+        return [v] if isinstance(v, str) else v
+
+    @field_validator("input_ids", mode="before")
+    @classmethod
+    def _ids(cls, v):
+        return v[0] if isinstance(v, list) and v and isinstance(v[0], list) else v
+
+    @field_validator("stop_token_ids", "bad_token_ids", mode="before")
+    @classmethod
+    def _id_lists(cls, v):
+        return [v] if isinstance(v, list) and v and isinstance(v[0], int) else v
+
+
+def parse_generate(model: str, body: Any, served_name: str, max_tokens_default: int) -> tuple[GenerationJob, TritonGenerateRequest]:
+    """Validate a generate body for `model`; InvalidRequestError names the field at fault."""
+    if model not in (served_name, *TEXT_MODELS, IDS_MODEL):
+        raise InvalidRequestError("model", f"unknown model '{model}'; this server has "
+                                           f"'{served_name}', {', '.join(TEXT_MODELS)}, '{IDS_MODEL}'")
+    if not isinstance(body, dict):
+        raise InvalidRequestError("body", "must be a JSON object")
+    fields = {**(body.get("parameters") or {}), **{k: v for k, v in body.items() if k != "parameters"}}
+    for key in list(fields):
+        if key in ALIASES and key != ALIASES[key]:
+            fields.setdefault(ALIASES[key], fields[key])
+            del fields[key]
+    fields = {k: v if k in LIST_FIELDS else _one(v) for k, v in fields.items()}
+    try:
+        req = TritonGenerateRequest.model_validate(fields)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        where = ".".join(str(p) for p in err["loc"]) or "body"
+        message = "is not a field of this endpoint" if err["type"] == "extra_forbidden" else err["msg"]
+        raise InvalidRequestError(where, message) from None
+    if req.text_input is None and req.input_ids is None:
+        raise InvalidRequestError("text_input", "is required (or input_ids for the tensorrt_llm model)")
+    if req.input_ids is not None and model != IDS_MODEL:
+        raise InvalidRequestError("input_ids", f"is only taken by the '{IDS_MODEL}' model")
+    # TensorRT-LLM's rule: a request that sets no sampling knob (top_k, top_p 0 or absent) decodes greedily.
+    greedy = req.temperature == 0.0 or (not req.top_k and not req.top_p and req.temperature is None)
+    params = SamplingParams(
+        max_tokens=req.max_tokens or max_tokens_default, end_id=req.end_id, pad_id=req.pad_id,
+        temperature=0.0 if greedy else (req.temperature if req.temperature is not None else 1.0),
+        top_k=req.top_k or 0, top_p=req.top_p or 1.0, min_p=req.min_p or 0.0, seed=req.seed,
+        repetition_penalty=req.repetition_penalty or 1.0, presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0, min_tokens=req.min_tokens or 0,
+        stop_token_ids=req.stop_token_ids or [], bad_token_ids=req.bad_token_ids or [],
+        logprobs=bool(req.return_log_probs), n=req.num_return_sequences or req.best_of or 1,
+        beam_width=req.beam_width or 1, length_penalty=req.length_penalty if req.length_penalty is not None else 1.0)
+    job = GenerationJob(request_id=req.request_id or uuid.uuid4().hex, params=params, prompt=req.text_input,
+                        prompt_token_ids=req.input_ids, stop=req.stop_words or [], bad_words=req.bad_words or [])
+    return job, req
+
+
+def generate_response(model: str, req: TritonGenerateRequest, chunk: TextChunk, prompt_text: str,
+                      prompt_ids: list[int], final: bool) -> dict:
+    """One response object (the whole answer, or one streamed delta)."""
+    out: dict[str, Any] = {"model_name": model, "model_version": MODEL_VERSION}
+    texts = [o.text for o in chunk.outputs]
+    if req.exclude_input_in_output is False and final:
+        texts = [prompt_text + t for t in texts]
+    out["text_output"] = texts[0] if len(texts) == 1 else texts
+    if req.input_ids is not None:
+        ids = [o.token_ids if req.exclude_input_in_output or not final else prompt_ids + o.token_ids
+               for o in chunk.outputs]
+        out["output_ids"] = ids[0] if len(ids) == 1 else ids
+        out["sequence_length"] = len(ids[0])
+    cum = [o.cumulative_logprob for o in chunk.outputs]
+    out["cum_log_probs"] = cum[0] if len(cum) == 1 else cum
+    out["output_log_probs"] = [lp for o in chunk.outputs for lp in (o.logprobs or [])] if req.return_log_probs \
+        else [0.0] * len(chunk.outputs[0].token_ids)
+    out.update(sequence_start=False, sequence_end=final, sequence_id=0)
+    reason = chunk.outputs[0].finish_reason
+    if reason is not None:
+        out["finish_reason"] = reason
+        out["stop_reason"] = chunk.outputs[0].stop_reason
+    if req.return_perf_metrics and chunk.metrics is not None:
+        m = chunk.metrics
+        out.update(kv_cache_reused_block=m.kv_cache_reused_blocks, kv_cache_hit_rate=m.kv_cache_hit_rate,
+                   kv_cache_alloc_new_blocks=m.kv_cache_alloc_new_blocks,
+                   kv_cache_alloc_total_blocks=m.kv_cache_alloc_total_blocks,
+                   arrival_time_ns=m.arrival_time_ns, first_scheduled_time_ns=m.first_scheduled_time_ns,
+                   first_token_time_ns=m.first_token_time_ns, last_token_time_ns=m.last_token_time_ns,
+                   acceptance_rate=0.0, total_accepted_draft_tokens=0, total_draft_tokens=0)
+    return out

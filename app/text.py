@@ -1,0 +1,88 @@
+"""Text <-> token ids: the tokenizer, chat templates, and an incremental, UTF-8-safe detokenizer."""
+from __future__ import annotations
+
+from pathlib import Path
+
+
+class Tokenizer:
+    """The model's own tokenizer (transformers), loaded from the model directory; no remote code."""
+
+    def __init__(self, model_dir: Path):
+        from transformers import AutoTokenizer
+
+        self.hf = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=False)
+        self.eos_token_id = self.hf.eos_token_id
+        self.pad_token_id = self.hf.pad_token_id if self.hf.pad_token_id is not None else self.eos_token_id
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.hf.encode(text, add_special_tokens=add_special_tokens)
+
+    def encode_words(self, words: list[str]) -> list[list[int]]:
+        """Stop/bad words as token-id sequences (the seeds' preprocessing does the same)."""
+        return [ids for ids in (self.encode(w, add_special_tokens=False) for w in words if w) if ids]
+
+    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+        if not self.hf.chat_template:
+            raise ValueError("this model has no chat template; use /v1/completions")
+        out = self.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)
+        return list(out["input_ids"])
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+class IncrementalDetokenizer:
+    """Turns a stream of token ids into text deltas whose concatenation equals decode(all ids).
+
+    Text is decoded over a sliding window of tokens (vLLM's prefix/read offsets) and released only
+    once it does not end in a partial UTF-8 character. Stop strings are matched on the text; while
+    the stream runs, the last len(longest stop) - 1 characters are held back because they may be
+    the start of one. On a match the text is cut before the stop string and `stopped` is set.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, stop: list[str] | None = None, skip_special_tokens: bool = True):
+        self.tokenizer = tokenizer
+        self.stop = [s for s in (stop or []) if s]
+        self.skip_special_tokens = skip_special_tokens
+        self.ids: list[int] = []
+        self.prefix_offset = 0
+        self.read_offset = 0
+        self.text = ""  # decoded so far (complete characters only)
+        self.emitted = 0  # characters of `text` already returned
+        self.stopped: str | None = None
+
+    def push(self, token_ids: list[int]) -> str:
+        """Add tokens; return the text that is now safe to send."""
+        if self.stopped is not None:
+            return ""
+        self.ids.extend(token_ids)
+        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        window = self._decode(self.ids[self.prefix_offset:])
+        if len(window) > len(prefix) and not window.endswith("\ufffd"):
+            self.text += window[len(prefix):]
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        return self._release(final=False)
+
+    def finish(self) -> str:
+        """The stream ended: release everything left, partial characters included."""
+        if self.stopped is None:
+            prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
+            self.text += self._decode(self.ids[self.prefix_offset:])[len(prefix):]
+            self.prefix_offset = self.read_offset = len(self.ids)
+        return self._release(final=True)
+
+    def _release(self, final: bool) -> str:
+        if self.stop and self.stopped is None:
+            start = max(0, self.emitted - max(map(len, self.stop)))
+            hits = [(self.text.find(s, start), s) for s in self.stop]
+            hits = [(i, s) for i, s in hits if i >= 0]
+            if hits:
+                cut, self.stopped = min(hits)
+                self.text = self.text[:cut]
+                final = True
+        end = len(self.text) if final or not self.stop else max(self.emitted, len(self.text) - max(map(len, self.stop)) + 1)
+        delta, self.emitted = self.text[self.emitted:end], end
+        return delta
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens) if ids else ""

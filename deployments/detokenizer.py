@@ -1,0 +1,48 @@
+"""The detokenizer stage: streams the engine's token deltas back as UTF-8-safe text deltas."""
+from __future__ import annotations
+
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+
+from app.config import ServiceConfig
+from app.engine.model_loader import resolve_model_dir
+from app.protocol.messages import TextChunk, TextOutput, TokenizedJob, merge_chunks
+from app.streaming import StreamPacer
+from app.text import IncrementalDetokenizer, Tokenizer
+
+
+@serve.deployment(name="Detokenizer")
+class DetokenizerDeployment:
+    def __init__(self, config: ServiceConfig, engine: DeploymentHandle):
+        self.tokenizer = Tokenizer(resolve_model_dir(config.model))
+        self.engine = engine
+        self.pacer = StreamPacer(config.serve.detokenizer.stream_interval_ms)
+
+    async def generate(self, job: TokenizedJob):
+        async for chunk in self.pacer.pace(self._text(job), merge_chunks):
+            yield chunk
+
+    async def _text(self, job: TokenizedJob):
+        stream = self.engine.generate.options(stream=True).remote(job.request_id, job.prompt_token_ids, job.params)
+        detoks: dict[int, IncrementalDetokenizer] = {}
+        try:
+            async for out in stream:
+                outputs = []
+                for c in out.outputs:
+                    detok = detoks.setdefault(c.index, IncrementalDetokenizer(self.tokenizer, job.stop))
+                    if detok.stopped is not None:
+                        continue  # already ended by a stop string; the engine may still be producing
+                    text = detok.push(c.token_ids)
+                    finish, reason = c.finish_reason, c.stop_reason
+                    if detok.stopped is not None:
+                        finish, reason = "stop", detok.stopped
+                    if finish is not None:
+                        text += detok.finish()
+                    outputs.append(TextOutput(c.index, text, c.token_ids, c.logprobs, c.cumulative_logprob, finish,
+                                              reason))
+                done_by_text = bool(detoks) and all(d.stopped is not None for d in detoks.values())
+                yield TextChunk(outputs, out.finished or done_by_text, len(job.prompt_token_ids), out.metrics)
+                if done_by_text and not out.finished:
+                    return  # every output hit a stop string: leaving cancels the engine's request
+        finally:
+            stream.cancel()

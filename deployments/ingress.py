@@ -1,0 +1,212 @@
+"""The HTTP front: Triton generate + KServe v2 routes and OpenAI routes over the DAG.
+
+Requests are validated here (pydantic) and refused with 400 naming the field before any stage
+is called; an error after a stream started ends it with an error event.
+"""
+
+import json
+import logging
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from ray import serve
+from ray.serve.exceptions import BackPressureError
+from ray.serve.handle import DeploymentHandle
+
+from app.config import ServiceConfig
+from app.engine.errors import InvalidRequestError
+from app.protocol import openai, triton
+from app.protocol.messages import GenerationJob, TextChunk, merge_chunks
+
+logger = logging.getLogger("ray.serve")
+api = FastAPI(title="llm-serve")
+
+
+def request_error(exc: BaseException) -> InvalidRequestError | None:
+    """The InvalidRequestError behind an exception that crossed a Ray hop, if there is one."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, InvalidRequestError):
+            return exc
+        exc = getattr(exc, "cause", None) or exc.__cause__
+    return None
+
+
+def _status(exc: BaseException) -> tuple[int, str]:
+    bad = request_error(exc)
+    if bad is not None:
+        return 400, str(bad)
+    if isinstance(exc, BackPressureError):
+        return 503, "server is at capacity; retry later"
+    logger.exception("request failed", exc_info=exc)
+    return 500, f"internal error: {type(exc).__name__}"
+
+
+def _sse(obj) -> bytes:
+    return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
+
+
+@serve.deployment(name="Ingress")
+@serve.ingress(api)
+class Ingress:
+    def __init__(self, config: ServiceConfig, tokenizer: DeploymentHandle, detokenizer: DeploymentHandle,
+                 engine: DeploymentHandle):
+        self.config = config
+        self.name = config.name
+        self.tokenizer = tokenizer
+        self.detokenizer = detokenizer
+        self.engine = engine
+
+    # -- the DAG -----------------------------------------------------------------------------------
+    async def _chunks(self, job: GenerationJob) -> AsyncIterator[tuple[TextChunk, list[int]]]:
+        tokenized = await self.tokenizer.tokenize.remote(job)
+        stream = self.detokenizer.generate.options(stream=True).remote(tokenized)
+        try:
+            async for chunk in stream:
+                yield chunk, tokenized.prompt_token_ids
+        finally:
+            stream.cancel()
+
+    async def _whole(self, job: GenerationJob) -> tuple[TextChunk, list[int]]:
+        merged, ids = None, []
+        async for chunk, ids in self._chunks(job):
+            merged = chunk if merged is None else merge_chunks(merged, chunk)
+        return merged, ids
+
+    def _error(self, exc: BaseException, openai_style: bool) -> JSONResponse:
+        status, message = _status(exc)
+        headers = {"Retry-After": "1"} if status == 503 else None
+        body = openai.error_body(request_error(exc) or message, status) if openai_style else {"error": message}
+        return JSONResponse(body, status_code=status, headers=headers)
+
+    async def _stream(self, job: GenerationJob, render, openai_style: bool, done_marker: bool = False):
+        """First chunk awaited before answering, so early errors are proper 4xx responses."""
+        chunks = self._chunks(job)
+        try:
+            first = await anext(chunks)
+        except Exception as exc:  # noqa: BLE001
+            await chunks.aclose()
+            return self._error(exc, openai_style)
+
+        async def events():
+            try:
+                yield _sse(render(*first))
+                async for chunk, ids in chunks:
+                    yield _sse(render(chunk, ids))
+                if done_marker:
+                    yield b"data: [DONE]\n\n"
+            except Exception as exc:  # noqa: BLE001 - the status is sent: report in the stream
+                status, message = _status(exc)
+                yield _sse(openai.error_body(message, status) if openai_style else {"error": message})
+            finally:
+                await chunks.aclose()
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    # -- Triton / KServe v2 ------------------------------------------------------------------------
+    @api.get("/v2/health/live")
+    async def live(self):
+        return Response(status_code=200)
+
+    @api.get("/v2/health/ready")
+    async def ready(self):
+        stats = await self.engine.stats.remote()
+        return Response(status_code=200 if stats["healthy"] else 503)
+
+    @api.get("/v2")
+    async def server_metadata(self):
+        return {"name": "llm-serve", "version": "0.1.0", "extensions": ["generate", "generate_stream"]}
+
+    def _models(self) -> tuple[str, ...]:
+        return (self.name, *triton.TEXT_MODELS, triton.IDS_MODEL)
+
+    @api.get("/v2/models/{model}")
+    @api.get("/v2/models/{model}/versions/{version}")
+    async def model_metadata(self, model: str, version: str = triton.MODEL_VERSION):
+        if model not in self._models():
+            return JSONResponse({"error": f"unknown model '{model}'"}, status_code=404)
+        inputs = [{"name": "text_input", "datatype": "BYTES", "shape": [-1]},
+                  {"name": "max_tokens", "datatype": "INT32", "shape": [-1]}]
+        if model == triton.IDS_MODEL:
+            inputs.append({"name": "input_ids", "datatype": "INT32", "shape": [-1, -1]})
+        return {"name": model, "versions": [triton.MODEL_VERSION], "platform": "ensemble" if model != triton.IDS_MODEL
+                else "tensorrt_llm", "inputs": inputs,
+                "outputs": [{"name": "text_output", "datatype": "BYTES", "shape": [-1]}]}
+
+    @api.get("/v2/models/{model}/ready")
+    @api.get("/v2/models/{model}/versions/{version}/ready")
+    async def model_ready(self, model: str, version: str = triton.MODEL_VERSION):
+        if model not in self._models():
+            return Response(status_code=404)
+        return await self.ready()
+
+    async def _parse_triton(self, model: str, request: Request):
+        try:
+            body = await request.json()
+        except ValueError:
+            raise InvalidRequestError("body", "is not valid JSON") from None
+        return triton.parse_generate(model, body, self.name, self.config.max_tokens_default)
+
+    @api.post("/v2/models/{model}/generate")
+    @api.post("/v2/models/{model}/versions/{version}/generate")
+    async def generate(self, model: str, request: Request, version: str = triton.MODEL_VERSION):
+        try:
+            job, req = await self._parse_triton(model, request)
+            chunk, ids = await self._whole(job)
+        except Exception as exc:  # noqa: BLE001
+            return self._error(exc, openai_style=False)
+        prompt_text = job.prompt or ""
+        return triton.generate_response(model, req, chunk, prompt_text, ids, final=True)
+
+    @api.post("/v2/models/{model}/generate_stream")
+    @api.post("/v2/models/{model}/versions/{version}/generate_stream")
+    async def generate_stream(self, model: str, request: Request, version: str = triton.MODEL_VERSION):
+        try:
+            job, req = await self._parse_triton(model, request)
+        except Exception as exc:  # noqa: BLE001
+            return self._error(exc, openai_style=False)
+        return await self._stream(
+            job, lambda chunk, ids: triton.generate_response(model, req, chunk, "", ids, final=chunk.finished),
+            openai_style=False)
+
+    # -- OpenAI ------------------------------------------------------------------------------------
+    @api.get("/v1/models")
+    async def list_models(self):
+        return openai.models_list([self.name])
+
+    async def _openai(self, request: Request, chat: bool):
+        try:
+            body = await request.json()
+        except ValueError:
+            return self._error(InvalidRequestError("body", "is not valid JSON"), openai_style=True)
+        try:
+            job, req = (openai.parse_chat if chat else openai.parse_completion)(body, self.config.max_tokens_default)
+            if req.model != self.name:
+                raise InvalidRequestError("model", f"unknown model '{req.model}'; this server has '{self.name}'")
+        except Exception as exc:  # noqa: BLE001
+            return self._error(exc, openai_style=True)
+        echo = job.prompt if (not chat and req.echo and job.prompt) else ""
+        if req.stream:
+            return await self._stream(
+                job, lambda chunk, ids: openai.completion_response(job.request_id, self.name, chunk, chat, True),
+                openai_style=True, done_marker=True)
+        try:
+            chunk, _ = await self._whole(job)
+        except Exception as exc:  # noqa: BLE001
+            return self._error(exc, openai_style=True)
+        return openai.completion_response(job.request_id, self.name, chunk, chat, False, echo)
+
+    @api.post("/v1/completions")
+    async def completions(self, request: Request):
+        return await self._openai(request, chat=False)
+
+    @api.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request):
+        return await self._openai(request, chat=True)
+
+    # -- operations --------------------------------------------------------------------------------
+    @api.get("/stats")
+    async def stats(self):
+        return await self.engine.stats.remote()

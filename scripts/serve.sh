@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Set up, then answer a question with the embedded model (the Ray Serve app replaces this demo).
+# Set up, then serve the default application (SmolLM2-135M-Instruct) on localhost:8000.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-exec .venv/bin/python tools/demo.py "$@"
+exec .venv/bin/serve run serve_config.yaml "$@"

@@ -9,6 +9,9 @@ class InvalidRequestError(ValueError):
         self.field = field
         self.message = message
 
+    def __reduce__(self):  # crosses Ray process boundaries intact
+        return type(self), (self.field, self.message)
+
 
 class EngineDeadError(RuntimeError):
     """The engine loop has died; every request in flight fails with this."""

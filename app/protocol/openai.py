@@ -116,7 +116,8 @@ def completion_response(job_id: str, model: str, chunk: TextChunk, chat: bool, s
     out = {"id": job_id, "object": obj + (".chunk" if stream and chat else ""), "created": int(time.time()),
            "model": model, "choices": choices}
     if not stream or chunk.finished:
-        out["usage"] = _usage(chunk, sum(len(o.token_ids) for o in chunk.outputs))
+        generated = chunk.metrics.num_output_tokens if chunk.metrics else sum(len(o.token_ids) for o in chunk.outputs)
+        out["usage"] = _usage(chunk, generated)
     return out
 
 

@@ -1,0 +1,49 @@
+"""The /v1 routes through the official openai client."""
+import openai
+import pytest
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0)
+
+
+def test_models_list(client):
+    assert [m.id for m in client.models.list().data] == ["smollm2-135m"]
+
+
+def test_chat_completion_answers(client):
+    r = client.chat.completions.create(model="smollm2-135m", temperature=0, max_tokens=20,
+                                       messages=[{"role": "user", "content": "What is the capital of France?"}])
+    assert r.choices[0].message.content == "The capital of France is Paris."
+    assert r.choices[0].finish_reason == "stop"
+    assert r.usage.completion_tokens == 7 and r.usage.total_tokens == r.usage.prompt_tokens + 7
+
+
+def test_chat_stream_equals_whole(client):
+    kwargs = dict(model="smollm2-135m", temperature=0, max_tokens=40,
+                  messages=[{"role": "user", "content": "Write two sentences about rain."}])
+    whole = client.chat.completions.create(**kwargs).choices[0].message.content
+    parts = [c.choices[0].delta.content or "" for c in client.chat.completions.create(stream=True, **kwargs)
+             if c.choices]
+    assert "".join(parts) == whole
+
+
+def test_completion_stop_n_seed_logprobs(client):
+    r = client.completions.create(model="smollm2-135m", prompt="The weather today is", max_tokens=12,
+                                  temperature=1.0, seed=7, n=2, logprobs=1)
+    assert len(r.choices) == 2 and all(len(c.logprobs.token_logprobs) > 0 for c in r.choices)
+    again = client.completions.create(model="smollm2-135m", prompt="The weather today is", max_tokens=12,
+                                      temperature=1.0, seed=7, n=2, logprobs=1)
+    assert [c.text for c in again.choices] == [c.text for c in r.choices]
+    greedy = client.completions.create(model="smollm2-135m", prompt="One, two, three,", max_tokens=16,
+                                       temperature=0).choices[0].text
+    stop = greedy.split()[2]
+    cut = client.completions.create(model="smollm2-135m", prompt="One, two, three,", max_tokens=16, temperature=0,
+                                    stop=[stop]).choices[0]
+    assert cut.text == greedy[:greedy.index(stop)] and cut.finish_reason == "stop"
+
+
+def test_bad_request_raises_client_error(client):
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model="smollm2-135m", prompt="x", max_tokens=10**6)

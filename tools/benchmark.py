@@ -1,8 +1,16 @@
-"""Benchmarks. `engine`: our engine in-process (no Ray) on a fixed workload, optionally beside
-transformers' own generation on the same prompts in the same run.
+"""Benchmarks.
+
+`engine`: our engine in-process (no Ray) on a fixed workload, optionally beside transformers' own
+generation on the same prompts in the same run.
 
     python tools/benchmark.py engine --num-requests 16 --concurrency 16 --input-len 64:128 \
         --output-len 64 --ignore-eos --compare hf --json results/engine.json
+
+`serve`: streaming load over HTTP against the service (a URL, or one started here from a config),
+optionally beside the bare engine on the same workload, at one or more concurrency levels.
+
+    python tools/benchmark.py serve --start configs/smollm2-135m.yaml --concurrency 1 16 64 \
+        --compare-engine --ignore-eos --json results/serve.json
 """
 from __future__ import annotations
 
@@ -51,6 +59,48 @@ def engine_command(args) -> dict:
     }
 
 
+def serve_command(args) -> dict:
+    import asyncio
+    import gc
+
+    from app.config import load_config
+    from app.engine.model_loader import read_model_config, resolve_model_dir
+    from tools.bench.serve_runner import run_http
+
+    config = load_config(args.config)
+    vocab = read_model_config(resolve_model_dir(config.model)).vocab_size
+    workloads = {c: synthetic(args.num_requests or max(8, 2 * c), args.input_len, args.output_len, vocab, args.seed,
+                              args.ignore_eos, c, args.request_rate, args.arrival) for c in args.concurrency}
+    results = []
+    if args.compare_engine:  # before the server exists, so that the two never share the cores
+        engine = LLMEngine(config.engine_config())
+        engine.generate([[100] * 16], SamplingParams(max_tokens=4, temperature=0.0))
+        results += [run_engine(engine, wl, f"engine c={c}") for c, wl in workloads.items()]
+        del engine
+        gc.collect()
+    url = args.url or _start_server(args.config, args.port)
+    name = config.name
+    for c, wl in workloads.items():
+        asyncio.run(run_http(url, args.route, name, synthetic(2, "8", 4, vocab, 99, True, 2), "warm-up"))
+        results.append(asyncio.run(run_http(url, args.route, name, wl, f"dag {args.route} c={c}")))
+    print(table(results))
+    return {"command": "serve", "args": vars(args), "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            "machine": {"platform": platform.platform(), "torch": torch.__version__}, "config": config.model_dump(),
+            "results": [r.as_dict() for r in results]}
+
+
+def _start_server(config_path: str, port: int) -> str:
+    import ray
+    from ray import serve
+
+    from deployments.app import build_app
+
+    ray.init(include_dashboard=False, log_to_driver=False)
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.run(build_app({"config": config_path}), name="llm", route_prefix="/")
+    return f"http://127.0.0.1:{port}"
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -78,8 +128,23 @@ def main(argv=None) -> None:
     e.add_argument("--hf-sequential-requests", type=int, default=4,
                    help="how many requests the sequential baseline runs (its tokens/s is per request)")
     e.add_argument("--json", type=Path, default=None)
+    s = sub.add_parser("serve", help="streaming HTTP load against the service, optionally against the bare engine")
+    s.add_argument("--url", default=None, help="a running service; default: start one here from --config")
+    s.add_argument("--config", "--start", dest="config", default="configs/smollm2-135m.yaml")
+    s.add_argument("--port", type=int, default=8123)
+    s.add_argument("--route", choices=["triton", "openai"], default="triton")
+    s.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
+    s.add_argument("--num-requests", type=int, default=None, help="per level (default: 2 x concurrency, >= 8)")
+    s.add_argument("--request-rate", type=float, default=None)
+    s.add_argument("--arrival", choices=["exponential", "constant"], default="exponential")
+    s.add_argument("--input-len", default="64:128")
+    s.add_argument("--output-len", type=int, default=64)
+    s.add_argument("--ignore-eos", action="store_true")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--compare-engine", action="store_true")
+    s.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
-    report = engine_command(args)
+    report = engine_command(args) if args.command == "engine" else serve_command(args)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=2, default=str))

@@ -72,6 +72,7 @@ class TritonGenerateRequest(BaseModel):
     best_of: int | None = Field(None, ge=1)
     num_return_sequences: int | None = Field(None, ge=1)
     stream: bool | None = None
+    ignore_eos: bool | None = None  # ours, for benchmarks: generate max_tokens whatever the model says
     stop: bool | None = None  # a stop request for an id in flight (the inflight_batcher client)
     exclude_input_in_output: bool | None = None
     return_log_probs: bool | None = None
@@ -131,7 +132,7 @@ def parse_generate(model: str, body: Any, served_name: str, max_tokens_default: 
         frequency_penalty=req.frequency_penalty or 0.0, min_tokens=req.min_tokens or 0,
         stop_token_ids=req.stop_token_ids or [], bad_token_ids=req.bad_token_ids or [],
         logprobs=bool(req.return_log_probs), n=req.num_return_sequences or req.best_of or 1,
-        beam_width=req.beam_width or 1, length_penalty=req.length_penalty if req.length_penalty is not None else 1.0)
+        beam_width=req.beam_width or 1, ignore_eos=bool(req.ignore_eos), length_penalty=req.length_penalty if req.length_penalty is not None else 1.0)
     job = GenerationJob(request_id=req.request_id or uuid.uuid4().hex, params=params, prompt=req.text_input,
                         prompt_token_ids=req.input_ids, stop=req.stop_words or [], bad_words=req.bad_words or [])
     return job, req

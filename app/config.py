@@ -87,6 +87,8 @@ class ServiceConfig(_Strict):
     seed: int = EngineConfig.seed
     max_tokens_default: int = Field(64, ge=1, description="max_tokens when a request names none")
     trust_remote_code: bool = False
+    cpu_threads: int | None = Field(None, ge=1, description="torch threads of a CPU engine; default: every core "
+                                    "(Ray would otherwise give it one per reserved CPU)")
     serve: ServeSection = ServeSection()
 
     @property

@@ -1,6 +1,9 @@
 """The engine stage: one replica owns one engine and runs its loop continuously."""
 from __future__ import annotations
 
+import os
+
+import torch
 from ray import serve
 
 from app.config import ServiceConfig
@@ -12,6 +15,8 @@ from app.streaming import StreamPacer
 @serve.deployment(name="Engine")
 class EngineDeployment:
     def __init__(self, config: ServiceConfig):
+        if config.device == "cpu":
+            torch.set_num_threads(config.cpu_threads or os.cpu_count())
         self.engine = AsyncLLMEngine(config.engine_config())
         self.pacer = StreamPacer(config.serve.engine.stream_interval_ms)
 

@@ -171,6 +171,23 @@ class Ingress:
             job, lambda chunk, ids: triton.generate_response(model, req, chunk, "", ids, final=chunk.finished),
             openai_style=False)
 
+    @api.post("/v2/models/{model}/infer")
+    @api.post("/v2/models/{model}/versions/{version}/infer")
+    async def infer(self, model: str, request: Request, version: str = triton.MODEL_VERSION):
+        """KServe v2 inference with the ensemble's tensors (text_input, max_tokens, ... -> text_output)."""
+        try:
+            try:
+                body = await request.json()
+            except ValueError:
+                raise InvalidRequestError("body", "is not valid JSON") from None
+            fields, request_id, wanted = triton.infer_to_generate_body(body)
+            job, req = triton.parse_generate(model, fields, self.name, self.config.max_tokens_default)
+            chunk, ids = await self._whole(job)
+        except Exception as exc:  # noqa: BLE001
+            return self._error(exc, openai_style=False)
+        generated = triton.generate_response(model, req, chunk, job.prompt or "", ids, final=True)
+        return triton.infer_response(model, request_id, generated, wanted)
+
     # -- OpenAI ------------------------------------------------------------------------------------
     @api.get("/v1/models")
     async def list_models(self):

@@ -169,3 +169,40 @@ def generate_response(model: str, req: TritonGenerateRequest, chunk: TextChunk, 
                    first_token_time_ns=m.first_token_time_ns, last_token_time_ns=m.last_token_time_ns,
                    acceptance_rate=0.0, total_accepted_draft_tokens=0, total_draft_tokens=0)
     return out
+
+
+def infer_to_generate_body(body: Any) -> tuple[dict, str | None, list[str] | None]:
+    """KServe v2 /infer: tensors in -> a generate body; also the request id and the outputs asked for."""
+    if not isinstance(body, dict) or not isinstance(body.get("inputs"), list):
+        raise InvalidRequestError("inputs", "is required: a list of {name, shape, datatype, data}")
+    fields = dict(body.get("parameters") or {})
+    for tensor in body["inputs"]:
+        if not isinstance(tensor, dict) or "name" not in tensor or "data" not in tensor:
+            raise InvalidRequestError("inputs", "each input needs a name and data")
+        data = tensor["data"]
+        fields[tensor["name"]] = data if tensor["name"] in LIST_FIELDS else _one(data)
+    wanted = [o["name"] for o in body.get("outputs") or [] if isinstance(o, dict) and "name" in o] or None
+    return fields, body.get("id"), wanted
+
+
+def _tensor(name: str, value) -> dict:
+    data = value if isinstance(value, list) else [value]
+    sample = data[0] if data else 0.0
+    if isinstance(sample, list):
+        shape, data = [len(data), len(sample)], [x for row in data for x in row]
+        sample = data[0] if data else 0
+    else:
+        shape = [1, len(data)]
+    datatype = ("BYTES" if isinstance(sample, str) else "BOOL" if isinstance(sample, bool)
+                else "INT64" if isinstance(sample, int) else "FP32")
+    return {"name": name, "datatype": datatype, "shape": shape, "data": data}
+
+
+def infer_response(model: str, request_id: str | None, generated: dict, wanted: list[str] | None) -> dict:
+    skip = {"model_name", "model_version"}
+    outputs = [_tensor(k, v) for k, v in generated.items()
+               if k not in skip and v is not None and (wanted is None or k in wanted)]
+    out = {"model_name": model, "model_version": MODEL_VERSION, "outputs": outputs}
+    if request_id is not None:
+        out["id"] = request_id
+    return out

@@ -141,3 +141,33 @@ def test_disconnect_aborts_and_frees_blocks(http, server):
         time.sleep(0.1)
     assert stats["num_running"] == 0 and stats["used_blocks"] == 0
     assert http.post("/v2/models/ensemble/generate", json={"text_input": "Hi", "max_tokens": 3}).status_code == 200
+
+
+def test_kserve_infer_with_tensors(http):
+    body = {"id": "42", "inputs": [
+        {"name": "text_input", "shape": [1, 1], "datatype": "BYTES", "data": ["What is machine learning?"]},
+        {"name": "max_tokens", "shape": [1, 1], "datatype": "INT32", "data": [20]},
+        {"name": "temperature", "shape": [1, 1], "datatype": "FP32", "data": [0.0]}],
+        "outputs": [{"name": "text_output"}, {"name": "cum_log_probs"}]}
+    r = http.post("/v2/models/ensemble/infer", json=body)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["id"] == "42" and out["model_name"] == "ensemble"
+    tensors = {t["name"]: t for t in out["outputs"]}
+    assert set(tensors) == {"text_output", "cum_log_probs"}
+    assert tensors["text_output"]["datatype"] == "BYTES" and tensors["cum_log_probs"]["datatype"] == "FP32"
+    generated = http.post("/v2/models/ensemble/generate", content=json.dumps(SEED_ENSEMBLE)).json()
+    assert tensors["text_output"]["data"] == [generated["text_output"]]
+    bad = http.post("/v2/models/ensemble/infer", json={"inputs": [{"name": "max_tokens", "data": [3]}]})
+    assert bad.status_code == 400 and "text_input" in bad.json()["error"]
+
+
+def test_command_line_client(server, capsys):
+    from tools import client
+
+    assert client.main(["--url", server, "--text", "What is machine learning?", "--request-output-len", "12",
+                        "--streaming"]) == 0
+    out = capsys.readouterr().out
+    assert "Output: " in out and "[INFO] Latency" in out and "first_token_time_ns" in out
+    assert client.main(["--url", server, "--streaming", "--stop-after-ms", "1", "--request-output-len", "300"]) == 0
+    assert "stopped by the client" in capsys.readouterr().out

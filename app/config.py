@@ -47,11 +47,14 @@ class StageSection(_Strict):
     num_cpus: float = Field(0.5, ge=0)
     # Streaming hops coalesce deltas by time: the first chunk goes at once, later ones at most this often.
     stream_interval_ms: float = Field(50.0, ge=0.0, le=1000.0)
+    env_vars: dict[str, str] = Field(default_factory=dict, description="environment of this stage's replicas")
 
     def deployment_options(self) -> dict:
+        actor = {"num_cpus": self.num_cpus}
+        if self.env_vars:
+            actor["runtime_env"] = {"env_vars": self.env_vars}
         options = {"max_ongoing_requests": self.max_ongoing_requests,
-                   "max_queued_requests": self.max_queued_requests,
-                   "ray_actor_options": {"num_cpus": self.num_cpus}}
+                   "max_queued_requests": self.max_queued_requests, "ray_actor_options": actor}
         if self.autoscaling is not None:
             options["autoscaling_config"] = self.autoscaling.model_dump()
         else:

@@ -30,6 +30,3 @@ class TokenizerDeployment:
                          stop_token_ids=job.params.stop_token_ids + self.tokenizer.encode_words(job.stop),
                          bad_token_ids=job.params.bad_token_ids + self.tokenizer.encode_words(job.bad_words))
         return TokenizedJob(job.request_id, ids, params, job.stop)
-
-    def decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids)

@@ -48,7 +48,6 @@ class AsyncLLMEngine:
         self._streams: dict[str, _Stream] = {}
         self._lock = threading.Lock()
         self._dead: BaseException | None = None
-        self.last_step_end = time.monotonic()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
 
@@ -101,7 +100,6 @@ class AsyncLLMEngine:
                     return
                 for output in self.engine.step():
                     self._deliver(output)
-                self.last_step_end = time.monotonic()
         except BaseException as exc:  # noqa: BLE001 - any escape means the engine is gone
             logger.exception("engine loop died")
             self._dead = exc

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -27,8 +27,6 @@ class Request:
     beam: BeamGroup | None = None
     arrival_ns: int = 0
     aborted: bool = False
-    emitted_beams: bool = False
-    extra: dict = field(default_factory=dict)
 
     @property
     def finished(self) -> bool:

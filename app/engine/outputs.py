@@ -1,7 +1,7 @@
 """What the engine hands back: per-step deltas of each request, and its metrics at the end."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass
@@ -65,7 +65,6 @@ class EngineStats:
     steps: int
     context_tokens_last_step: int
     generation_requests_last_step: int
-    extra: dict = field(default_factory=dict)
 
     @property
     def kv_cache_hit_rate(self) -> float:

@@ -23,7 +23,7 @@ MODEL_VERSION = "1"
 # Alternative spellings used by the seeds' models -> our field name.
 ALIASES = {
     "request_output_len": "max_tokens", "runtime_top_k": "top_k", "runtime_top_p": "top_p",
-    "len_penalty": "length_penalty", "streaming": "stream", "beam_width": "beam_width",
+    "len_penalty": "length_penalty", "streaming": "stream",
     "sampling_param_max_tokens": "max_tokens", "sampling_param_temperature": "temperature",
     "sampling_param_top_k": "top_k", "sampling_param_top_p": "top_p",
     "sampling_param_frequency_penalty": "frequency_penalty", "sampling_param_presence_penalty": "presence_penalty",
@@ -120,6 +120,9 @@ def parse_generate(model: str, body: Any, served_name: str, max_tokens_default: 
         raise InvalidRequestError(where, message) from None
     if req.text_input is None and req.input_ids is None:
         raise InvalidRequestError("text_input", "is required (or input_ids for the tensorrt_llm model)")
+    if req.stop:
+        raise InvalidRequestError("stop", "stop requests by id are not supported; close the stream instead "
+                                          "(the request is aborted and its KV blocks freed)")
     if req.input_ids is not None and model != IDS_MODEL:
         raise InvalidRequestError("input_ids", f"is only taken by the '{IDS_MODEL}' model")
     # TensorRT-LLM's rule: a request that sets no sampling knob (top_k, top_p 0 or absent) decodes greedily.

@@ -55,13 +55,17 @@ class EngineConfig:
     max_beam_width: int = 4
     kv_cache_config: KvCacheConfig = field(default_factory=KvCacheConfig)
     seed: int = 0  # seeds the sampler for requests that bring no seed of their own
+    max_loras: int = 8  # adapters resident on the device at once (lora_cache_gpu_memory_fraction's role)
+    max_cpu_loras: int = 64  # adapters kept loaded on the host (lora_cache_host_memory_bytes' role)
+    max_lora_rank: int = 64
 
     def __post_init__(self):
         if isinstance(self.kv_cache_config, dict):
             self.kv_cache_config = KvCacheConfig(**self.kv_cache_config)
         self.scheduler_policy = SchedulerPolicy(self.scheduler_policy)
         self.batching_type = BatchingType(self.batching_type)
-        for name in ("max_batch_size", "max_num_tokens", "max_beam_width"):
+        for name in ("max_batch_size", "max_num_tokens", "max_beam_width", "max_loras", "max_cpu_loras",
+                     "max_lora_rank"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.max_seq_len is not None and self.max_seq_len < 2:

@@ -46,7 +46,7 @@ class LLMEngine:
         self.block_manager = BlockManager(self.runner.num_blocks, kv.tokens_per_block, kv.enable_block_reuse)
         self.scheduler = Scheduler(
             SchedulerLimits(config.max_batch_size, config.max_num_tokens, config.enable_chunked_prefill,
-                            config.scheduler_policy, config.batching_type),
+                            config.scheduler_policy, config.batching_type, config.max_loras),
             self.block_manager)
         self.limits = RequestLimits(
             vocab_size=model_cfg.vocab_size, max_seq_len=self.max_seq_len, max_beam_width=config.max_beam_width,
@@ -66,6 +66,9 @@ class LLMEngine:
         if request_id in self.requests:
             raise InvalidRequestError("request_id", f"{request_id!r} is already in flight")
         validate_request(prompt_token_ids, params, self.limits)
+        if adapter_id is not None and adapter_id not in self.runner.loras:
+            raise InvalidRequestError("adapter", f"LoRA adapter {adapter_id!r} is not loaded; register it first "
+                                                 "(with its path) and then send its name")
         arrival_ns = arrival_ns or time.time_ns()
         num_seqs = 1 if params.beam_width > 1 else params.n
         seqs = [Sequence(next(self._seq_ids), request_id, i, prompt_token_ids, params, self.eos_ids,
@@ -76,6 +79,10 @@ class LLMEngine:
         self.requests[request_id] = request
         for seq in seqs:
             self.scheduler.add(seq)
+
+    def add_lora(self, name: str, path) -> None:
+        """Register (or replace) an adapter; InvalidRequestError says what is wrong with it."""
+        self.runner.loras.add(name, path)
 
     def _generator(self, params: SamplingParams, index: int) -> torch.Generator | None:
         if params.seed is None or params.greedy:

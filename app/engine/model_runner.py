@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from app.engine.config import EngineConfig
+from app.engine.lora import LoRACache
 from app.engine.models.attention import AttentionMetadata, PrefillChunk
 from app.engine.model_loader import load_model
 from app.engine.sampler import Sampler, SamplerOutput
@@ -38,6 +39,7 @@ class ModelRunner:
         self.kv_cache = torch.zeros(cfg.num_layers, 2, self.num_blocks, self.block_size, cfg.num_kv_heads,
                                     cfg.head_dim, dtype=self.dtype, device=self.device)
         self.sampler = Sampler(config.seed, self.device)
+        self.loras = LoRACache(config.max_loras, config.max_cpu_loras, config.max_lora_rank, self.device, self.dtype)
 
     def _count_blocks(self, config: EngineConfig, max_seq_len: int) -> int:
         kv = config.kv_cache_config
@@ -58,9 +60,9 @@ class ModelRunner:
     def execute(self, plan: SchedulerOutput) -> StepResult:
         for src, dst in plan.block_copies:
             self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
-        input_ids, positions, meta, sample_seqs, logits_indices = self._prepare(plan)
+        input_ids, positions, meta, sample_seqs, logits_indices, lora_rows = self._prepare(plan)
         kv_caches = list(self.kv_cache.unbind(0))
-        logits = self.model(input_ids, positions, kv_caches, meta, logits_indices)
+        logits = self.model(input_ids, positions, kv_caches, meta, logits_indices, self.loras.batch(lora_rows))
         return StepResult(sample_seqs, self.sampler(logits, sample_seqs))
 
     def _prepare(self, plan: SchedulerOutput):
@@ -69,8 +71,11 @@ class ModelRunner:
         decodes = [s for s in plan.scheduled if s.num_tokens == 1]
         prefills = [s for s in plan.scheduled if s.num_tokens > 1]
         tokens, positions, sample_seqs, logits_indices = [], [], [], []
+        lora_rows: dict[str, list[int]] = {}
         for item in decodes + prefills:
             start = item.seq.num_computed_tokens
+            if item.seq.adapter_id is not None:
+                lora_rows.setdefault(item.seq.adapter_id, []).extend(range(len(tokens), len(tokens) + item.num_tokens))
             if item.samples:
                 sample_seqs.append(item.seq)
                 logits_indices.append(len(tokens) + item.num_tokens - 1)
@@ -96,4 +101,4 @@ class ModelRunner:
             start += item.num_tokens
         meta = AttentionMetadata(slots.to(dev), len(decodes), decode_tables, decode_mask, chunks)
         return (torch.tensor(tokens, device=dev), pos.to(dev), meta, sample_seqs,
-                torch.tensor(logits_indices, dtype=torch.long, device=dev))
+                torch.tensor(logits_indices, dtype=torch.long, device=dev), lora_rows)

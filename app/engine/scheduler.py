@@ -49,6 +49,7 @@ class SchedulerLimits:
     chunked_prefill: bool
     policy: SchedulerPolicy
     batching: BatchingType
+    max_loras: int = 8  # distinct adapters in flight at once (the device cache's slots)
 
 
 class Scheduler:
@@ -169,7 +170,7 @@ class Scheduler:
             if len(self.running) + width > self.limits.max_batch_size:
                 break
             n = self._tokens_for(seq, budget)
-            if n == 0 or not self._can_admit(seq, n):
+            if n == 0 or not self._can_admit(seq, n) or not self._adapter_fits(seq):
                 break  # first come, first served: no overtaking
             self.waiting.popleft()
             self.blocks.allocate_cached_prefix(seq)
@@ -179,6 +180,12 @@ class Scheduler:
             self.running.append(seq)
             out.scheduled.append(ScheduledSeq(seq, n))
             budget -= n
+
+    def _adapter_fits(self, seq: Sequence) -> bool:
+        if seq.adapter_id is None:
+            return True
+        active = {s.adapter_id for s in self.running if s.adapter_id is not None}
+        return seq.adapter_id in active or len(active) < self.limits.max_loras
 
     def _can_admit(self, seq: Sequence, num_tokens: int) -> bool:
         guaranteed = (self.limits.policy is SchedulerPolicy.GUARANTEED_NO_EVICT

@@ -22,6 +22,8 @@ class MergedLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(sum(out_sizes), in_features, dtype=dtype), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(sum(out_sizes), dtype=dtype), requires_grad=False) if bias else None
         self.packed: torch.Tensor | None = None
+        self.offsets = [sum(out_sizes[:i]) for i in range(len(out_sizes))]
+        self.lora_key: tuple[int, str] | None = None  # (layer, path): where adapters attach
 
     def load_shard(self, name: str, tensor: torch.Tensor, shard: int) -> None:
         start = sum(self.out_sizes[:shard])
@@ -32,10 +34,12 @@ class MergedLinear(nn.Module):
         small-batch matmul time against the plain layout (see docs/PERFORMANCE.md)."""
         self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, 64)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, lora=None) -> torch.Tensor:
         if self.packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-        return F.linear(x, self.weight, self.bias)
+            y = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        else:
+            y = F.linear(x, self.weight, self.bias)
+        return y if lora is None else lora.apply(x, y, self.lora_key, self.offsets)
 
 
 def cpu_packing_available(dtype: torch.dtype, device: torch.device) -> bool:

@@ -75,12 +75,12 @@ class Attention(nn.Module):
         self.split = (q_size, kv_size, kv_size)
         self.scale = cfg.head_dim ** -0.5
 
-    def forward(self, x, rope, kv_cache, meta: AttentionMetadata):
-        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
+    def forward(self, x, rope, kv_cache, meta: AttentionMetadata, lora):
+        q, k, v = self.qkv_proj(x, lora).split(self.split, dim=-1)
         t = x.shape[0]
         q, k = apply_rotary(q.view(t, self.num_heads, self.head_dim), k.view(t, self.num_kv_heads, self.head_dim), *rope)
         o = paged_attention(q, k, v.view(t, self.num_kv_heads, self.head_dim), kv_cache[0], kv_cache[1], meta, self.scale)
-        return self.o_proj(o.view(t, -1))
+        return self.o_proj(o.view(t, -1), lora)
 
 
 class MLP(nn.Module):
@@ -89,9 +89,9 @@ class MLP(nn.Module):
         self.gate_up_proj = MergedLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, False, dtype)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, False, dtype)
 
-    def forward(self, x):
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate).mul_(up))
+    def forward(self, x, lora):
+        gate, up = self.gate_up_proj(x, lora).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate).mul_(up), lora)
 
 
 class DecoderLayer(nn.Module):
@@ -102,9 +102,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp = MLP(cfg, dtype)
 
-    def forward(self, x, rope, kv_cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta)
-        return x.add_(self.mlp(self.post_attention_layernorm(x)))
+    def forward(self, x, rope, kv_cache, meta, lora):
+        x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta, lora)
+        return x.add_(self.mlp(self.post_attention_layernorm(x), lora))
 
 
 class LlamaForCausalLM(nn.Module):
@@ -118,6 +118,10 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
         self.embed_tokens.weight.requires_grad_(False)
         self.layers = nn.ModuleList(DecoderLayer(cfg, dtype) for _ in range(cfg.num_layers))
+        for index, layer in enumerate(self.layers):
+            for path, module in layer.named_modules():
+                if isinstance(module, MergedLinear):
+                    module.lora_key = (index, path)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, False, dtype)
@@ -131,12 +135,12 @@ class LlamaForCausalLM(nn.Module):
                 if isinstance(module, MergedLinear):
                     module.pack_for_cpu()
 
-    def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata, logits_indices):
-        """Hidden states for the packed tokens; logits only for the rows in logits_indices."""
+    def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata, logits_indices, lora=None):
+        """Logits for the rows in logits_indices; `lora` (a LoRABatch) adapts the rows it names."""
         x = self.embed_tokens(input_ids)
         rope = self.rotary.table(positions, x.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, rope, kv_cache, meta)
+            x = layer(x, rope, kv_cache, meta, lora)
         return self.lm_head(self.norm(x[logits_indices])).float()
 
     def load_hf_tensor(self, name: str, tensor: torch.Tensor) -> bool:

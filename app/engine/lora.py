@@ -1,0 +1,134 @@
+"""LoRA adapters: loading (PEFT format), a host cache and a bounded device cache, and the
+per-step batch that lets one forward pass serve tokens of many adapters at once.
+
+Each adapted linear adds, for every adapter present in the step, (x[rows] @ A.T @ B.T) * scaling
+to the rows of that adapter's tokens (segmented, SGMV-style): no per-adapter forward pass and
+no weight merging, so base-model tokens and any mix of adapters share one batch.
+"""
+from __future__ import annotations
+
+import json
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from app.engine.errors import InvalidRequestError
+
+# PEFT module name -> (our module within a decoder layer, shard of a merged linear)
+TARGETS = {"q_proj": ("self_attn.qkv_proj", 0), "k_proj": ("self_attn.qkv_proj", 1),
+           "v_proj": ("self_attn.qkv_proj", 2), "o_proj": ("self_attn.o_proj", 0),
+           "gate_proj": ("mlp.gate_up_proj", 0), "up_proj": ("mlp.gate_up_proj", 1),
+           "down_proj": ("mlp.down_proj", 0)}
+
+
+@dataclass
+class LoRAAdapter:
+    name: str
+    rank: int
+    scaling: float
+    # (layer index, module path) -> [(shard, A [r, in], B [out, r])]
+    weights: dict[tuple[int, str], list[tuple[int, torch.Tensor, torch.Tensor]]]
+
+    def to(self, device: torch.device, dtype: torch.dtype) -> LoRAAdapter:
+        moved = {key: [(s, a.to(device, dtype), b.to(device, dtype)) for s, a, b in shards]
+                 for key, shards in self.weights.items()}
+        return LoRAAdapter(self.name, self.rank, self.scaling, moved)
+
+
+def load_peft_adapter(name: str, path: Path, max_rank: int) -> LoRAAdapter:
+    """Read adapter_config.json + adapter_model.safetensors; refuse what we cannot apply exactly."""
+    config_file, weights_file = path / "adapter_config.json", path / "adapter_model.safetensors"
+    if not config_file.is_file() or not weights_file.is_file():
+        raise InvalidRequestError("lora_path", f"{path} must hold adapter_config.json and adapter_model.safetensors")
+    config = json.loads(config_file.read_text())
+    rank = int(config.get("r", 0))
+    if config.get("peft_type", "LORA") != "LORA" or config.get("use_dora"):
+        raise InvalidRequestError("lora_path", "only plain LoRA adapters are supported (not DoRA or other PEFT types)")
+    if not 1 <= rank <= max_rank:
+        raise InvalidRequestError("lora_path", f"adapter rank {rank} must be in [1, max_lora_rank={max_rank}]")
+    alpha = float(config.get("lora_alpha", rank))
+    scaling = alpha / rank ** 0.5 if config.get("use_rslora") else alpha / rank
+    tensors: dict[tuple[int, str, int], dict[str, torch.Tensor]] = {}
+    with safe_open(weights_file, framework="pt") as f:
+        for key in f.keys():
+            parts = key.split(".")
+            if "layers" not in parts or parts[-2] not in ("lora_A", "lora_B"):
+                raise InvalidRequestError("lora_path", f"unsupported adapter tensor {key!r}")
+            layer, module = int(parts[parts.index("layers") + 1]), parts[-3]
+            if module not in TARGETS:
+                raise InvalidRequestError("lora_path", f"adapter targets {module!r}; supported: {', '.join(TARGETS)}")
+            target, shard = TARGETS[module]
+            tensors.setdefault((layer, target, shard), {})[parts[-2]] = f.get_tensor(key).float()
+    weights: dict[tuple[int, str], list] = {}
+    for (layer, target, shard), pair in sorted(tensors.items()):
+        weights.setdefault((layer, target), []).append((shard, pair["lora_A"], pair["lora_B"]))
+    return LoRAAdapter(name, rank, scaling, weights)
+
+
+@dataclass
+class LoRABatch:
+    """The step's adapters and, for each, the rows of its tokens in the packed batch."""
+
+    segments: list[tuple[LoRAAdapter, torch.Tensor]]
+
+    def apply(self, x: torch.Tensor, y: torch.Tensor, key: tuple[int, str], offsets: list[int]) -> torch.Tensor:
+        for adapter, rows in self.segments:
+            shards = adapter.weights.get(key)
+            if not shards:
+                continue
+            xs = x[rows]
+            for shard, a, b in shards:
+                start = offsets[shard]
+                y[rows, start:start + b.shape[0]] += ((xs @ a.T) @ b.T) * adapter.scaling
+        return y
+
+
+class LoRACache:
+    """Adapters by name: every registered one on the host, at most `device_slots` on the device
+    (least recently used evicted; an adapter the current step needs is never evicted)."""
+
+    def __init__(self, device_slots: int, host_slots: int, max_rank: int, device: torch.device, dtype: torch.dtype):
+        self.device_slots, self.host_slots, self.max_rank = device_slots, host_slots, max_rank
+        self.device, self.dtype = device, dtype
+        self.host: OrderedDict[str, LoRAAdapter] = OrderedDict()
+        self.on_device: OrderedDict[str, LoRAAdapter] = OrderedDict()
+        self.loads = self.evictions = self.hits = self.misses = 0
+
+    def add(self, name: str, path: Path) -> None:
+        adapter = load_peft_adapter(name, Path(path), self.max_rank)
+        self.host[name] = adapter
+        self.host.move_to_end(name)
+        self.on_device.pop(name, None)  # a re-registered name takes the new weights
+        while len(self.host) > self.host_slots:
+            evicted, _ = self.host.popitem(last=False)
+            self.on_device.pop(evicted, None)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.host
+
+    def batch(self, rows_by_adapter: dict[str, list[int]]) -> LoRABatch | None:
+        if not rows_by_adapter:
+            return None
+        segments = []
+        for name, rows in rows_by_adapter.items():
+            segments.append((self._resident(name, set(rows_by_adapter)), torch.tensor(rows, device=self.device)))
+        return LoRABatch(segments)
+
+    def _resident(self, name: str, needed: set[str]) -> LoRAAdapter:
+        if name in self.on_device:
+            self.hits += 1
+            self.on_device.move_to_end(name)
+            return self.on_device[name]
+        self.misses += 1
+        for victim in list(self.on_device):
+            if len(self.on_device) < self.device_slots:
+                break
+            if victim not in needed:
+                del self.on_device[victim]
+                self.evictions += 1
+        self.on_device[name] = self.host[name].to(self.device, self.dtype)
+        self.loads += 1
+        return self.on_device[name]

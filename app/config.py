@@ -86,6 +86,11 @@ class ServiceConfig(_Strict):
     scheduler_policy: SchedulerPolicy = EngineConfig.scheduler_policy
     batching_type: BatchingType = EngineConfig.batching_type
     max_beam_width: int = Field(EngineConfig.max_beam_width, ge=1)
+    max_loras: int = Field(EngineConfig.max_loras, ge=1, description="adapters resident on the device at once")
+    max_cpu_loras: int = Field(EngineConfig.max_cpu_loras, ge=1, description="adapters kept on the host")
+    max_lora_rank: int = Field(EngineConfig.max_lora_rank, ge=1)
+    lora_roots: list[str] = Field(default_factory=list, description="directories adapters may be loaded from")
+    lora_adapters: dict[str, str] = Field(default_factory=dict, description="adapter name -> path (under a root)")
     kv_cache_config: KvCacheSection = KvCacheSection()
     seed: int = EngineConfig.seed
     max_tokens_default: int = Field(64, ge=1, description="max_tokens when a request names none")
@@ -104,7 +109,8 @@ class ServiceConfig(_Strict):
             max_num_tokens=self.max_num_tokens, max_seq_len=self.max_seq_len,
             enable_chunked_prefill=self.enable_chunked_prefill, scheduler_policy=self.scheduler_policy,
             batching_type=self.batching_type, max_beam_width=self.max_beam_width,
-            kv_cache_config=KvCacheConfig(**self.kv_cache_config.model_dump()), seed=self.seed)
+            kv_cache_config=KvCacheConfig(**self.kv_cache_config.model_dump()), seed=self.seed,
+            max_loras=self.max_loras, max_cpu_loras=self.max_cpu_loras, max_lora_rank=self.max_lora_rank)
 
 
 def load_config(path: str | Path) -> ServiceConfig:

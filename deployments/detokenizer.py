@@ -23,7 +23,10 @@ class DetokenizerDeployment:
             yield chunk
 
     async def _text(self, job: TokenizedJob):
-        stream = self.engine.generate.options(stream=True).remote(job.request_id, job.prompt_token_ids, job.params)
+        # Requests for an adapter go to the engine replicas that already hold it (Serve multiplexing).
+        options = {"stream": True, "multiplexed_model_id": job.adapter.name} if job.adapter else {"stream": True}
+        stream = self.engine.generate.options(**options).remote(job.request_id, job.prompt_token_ids, job.params,
+                                                                job.adapter)
         detoks: dict[int, IncrementalDetokenizer] = {}
         try:
             async for out in stream:

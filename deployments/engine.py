@@ -7,9 +7,12 @@ import torch
 from ray import serve
 
 from app.config import ServiceConfig
-from app.engine import AsyncLLMEngine, SamplingParams
+from app.engine import AsyncLLMEngine, InvalidRequestError, SamplingParams
 from app.engine.llm_engine import merge_outputs
+from app.protocol.messages import AdapterRef
 from app.streaming import StreamPacer
+
+MAX_ADAPTERS_PER_REPLICA = 64  # what Serve's multiplexed routing tracks per replica
 
 
 @serve.deployment(name="Engine")
@@ -19,17 +22,40 @@ class EngineDeployment:
             torch.set_num_threads(config.cpu_threads or os.cpu_count())
         self.engine = AsyncLLMEngine(config.engine_config())
         self.pacer = StreamPacer(config.serve.engine.stream_interval_ms)
+        self.adapter_paths: dict[str, str] = {}
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       adapter_id: str | None = None):
+                       adapter: AdapterRef | None = None):
         """Stream RequestOutput deltas, coalesced by time; cancelling the stream aborts the request."""
-        source = self.engine.generate(request_id, prompt_token_ids, params, adapter_id)
+        if adapter is not None:
+            await self._load_adapter(adapter)
+            await self._mark_resident(serve.get_multiplexed_model_id())
+        source = self.engine.generate(request_id, prompt_token_ids, params, adapter.name if adapter else None)
         async for output in self.pacer.pace(source, merge_outputs):
             yield output
 
+    async def _load_adapter(self, adapter: AdapterRef) -> None:
+        if self.engine.has_lora(adapter.name) and adapter.path is None:
+            return
+        if adapter.path is None:
+            raise InvalidRequestError(adapter.field, f"LoRA adapter '{adapter.name}' is not loaded on this server; "
+                                                     "send lora_path (a directory under the configured lora_roots) "
+                                                     "with the first request, then the name alone")
+        if not self.engine.has_lora(adapter.name) or self.adapter_paths.get(adapter.name) != adapter.path:
+            await self.engine.add_lora(adapter.name, adapter.path)
+            self.adapter_paths[adapter.name] = adapter.path
+
+    @serve.multiplexed(max_num_models_per_replica=MAX_ADAPTERS_PER_REPLICA)
+    async def _mark_resident(self, name: str) -> str:
+        """Tells Serve's router this replica holds the adapter, so its later requests come here."""
+        return name
+
     def stats(self) -> dict:
         stats = self.engine.stats()
-        return {**vars(stats), "kv_cache_hit_rate": stats.kv_cache_hit_rate, "healthy": self.engine.healthy}
+        loras = self.engine.engine.runner.loras
+        return {**vars(stats), "kv_cache_hit_rate": stats.kv_cache_hit_rate, "healthy": self.engine.healthy,
+                "lora": {"host": list(loras.host), "device": list(loras.on_device), "loads": loras.loads,
+                         "evictions": loras.evictions, "hits": loras.hits, "misses": loras.misses}}
 
     def check_health(self) -> None:
         if not self.engine.healthy:

@@ -14,10 +14,11 @@ from ray import serve
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 
+from app.adapters import AdapterPolicy
 from app.config import ServiceConfig
 from app.engine.errors import InvalidRequestError
 from app.protocol import openai, triton
-from app.protocol.messages import GenerationJob, TextChunk, merge_chunks
+from app.protocol.messages import AdapterRef, GenerationJob, TextChunk, merge_chunks
 
 logger = logging.getLogger("ray.serve")
 api = FastAPI(title="llm-serve")
@@ -37,7 +38,7 @@ def request_error(exc: BaseException) -> InvalidRequestError | None:
 def _status(exc: BaseException) -> tuple[int, str]:
     bad = request_error(exc)
     if bad is not None:
-        return 400, str(bad)
+        return bad.status, str(bad)
     if isinstance(exc, BackPressureError):
         return 503, "server is at capacity; retry later"
     logger.exception("request failed", exc_info=exc)
@@ -58,9 +59,12 @@ class Ingress:
         self.tokenizer = tokenizer
         self.detokenizer = detokenizer
         self.engine = engine
+        self.adapters = AdapterPolicy(config.lora_roots, config.lora_adapters)
 
     # -- the DAG -----------------------------------------------------------------------------------
     async def _chunks(self, job: GenerationJob) -> AsyncIterator[tuple[TextChunk, list[int]]]:
+        if job.adapter is not None:
+            job.adapter = self.adapters.resolve(job.adapter)  # refuses paths outside the roots, unopened
         tokenized = await self.tokenizer.tokenize.remote(job)
         stream = self.detokenizer.generate.options(stream=True).remote(tokenized)
         try:
@@ -89,6 +93,9 @@ class Ingress:
         except Exception as exc:  # noqa: BLE001
             await chunks.aclose()
             return self._error(exc, openai_style)
+        except BaseException:
+            await chunks.aclose()
+            raise
 
         async def events():
             try:
@@ -191,7 +198,7 @@ class Ingress:
     # -- OpenAI ------------------------------------------------------------------------------------
     @api.get("/v1/models")
     async def list_models(self):
-        return openai.models_list([self.name])
+        return openai.models_list([self.name, *self.config.lora_adapters])
 
     async def _openai(self, request: Request, chat: bool):
         try:
@@ -200,8 +207,11 @@ class Ingress:
             return self._error(InvalidRequestError("body", "is not valid JSON"), openai_style=True)
         try:
             job, req = (openai.parse_chat if chat else openai.parse_completion)(body, self.config.max_tokens_default)
-            if req.model != self.name:
-                raise InvalidRequestError("model", f"unknown model '{req.model}'; this server has '{self.name}'")
+            if req.model in self.config.lora_adapters:
+                job.adapter = AdapterRef(req.model, None, "model")
+            elif req.model != self.name:
+                names = ", ".join([self.name, *self.config.lora_adapters])
+                raise InvalidRequestError("model", f"unknown model '{req.model}'; this server has: {names}")
         except Exception as exc:  # noqa: BLE001
             return self._error(exc, openai_style=True)
         echo = job.prompt if (not chat and req.echo and job.prompt) else ""

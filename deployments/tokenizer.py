@@ -29,4 +29,4 @@ class TokenizerDeployment:
         params = replace(job.params,
                          stop_token_ids=job.params.stop_token_ids + self.tokenizer.encode_words(job.stop),
                          bad_token_ids=job.params.bad_token_ids + self.tokenizer.encode_words(job.bad_words))
-        return TokenizedJob(job.request_id, ids, params, job.stop)
+        return TokenizedJob(job.request_id, ids, params, job.stop, job.adapter)

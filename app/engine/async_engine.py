@@ -9,6 +9,7 @@ A step that raises kills the loop: every open stream gets EngineDeadError and `h
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import enum
 import logging
 import queue
@@ -29,6 +30,7 @@ logger = logging.getLogger(__name__)
 class Command(enum.Enum):
     ADD = enum.auto()
     ABORT = enum.auto()
+    ADD_LORA = enum.auto()
     STOP = enum.auto()
 
 
@@ -77,6 +79,15 @@ class AsyncLLMEngine:
             if not finished:
                 self.abort(request_id)
 
+    async def add_lora(self, name: str, path: str) -> None:
+        """Register an adapter on the loop thread (the only one touching the engine)."""
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put((Command.ADD_LORA, (name, path, done)))
+        await asyncio.wrap_future(done)
+
+    def has_lora(self, name: str) -> bool:
+        return name in self.engine.runner.loras
+
     def abort(self, request_id: str) -> None:
         self._commands.put((Command.ABORT, request_id))
 
@@ -123,6 +134,13 @@ class AsyncLLMEngine:
                     self.engine.add_request(request_id, prompt, params, adapter_id, arrival)
                 except Exception as exc:  # noqa: BLE001 - a bad request fails alone
                     self._fail(request_id, exc)
+            elif command is Command.ADD_LORA:
+                name, path, done = arg
+                try:
+                    self.engine.add_lora(name, path)
+                    done.set_result(None)
+                except Exception as exc:  # noqa: BLE001 - the caller's problem, not the loop's
+                    done.set_exception(exc)
             elif command is Command.ABORT:
                 output = self.engine.abort_request(arg)
                 if output is not None:

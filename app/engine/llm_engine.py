@@ -82,7 +82,8 @@ class LLMEngine:
 
     def add_lora(self, name: str, path) -> None:
         """Register (or replace) an adapter; InvalidRequestError says what is wrong with it."""
-        self.runner.loras.add(name, path)
+        in_use = {s.adapter_id for s in self.scheduler.running + list(self.scheduler.waiting) if s.adapter_id}
+        self.runner.loras.add(name, path, in_use)
 
     def _generator(self, params: SamplingParams, index: int) -> torch.Generator | None:
         if params.seed is None or params.greedy:

@@ -97,14 +97,14 @@ class LoRACache:
         self.on_device: OrderedDict[str, LoRAAdapter] = OrderedDict()
         self.loads = self.evictions = self.hits = self.misses = 0
 
-    def add(self, name: str, path: Path) -> None:
+    def add(self, name: str, path: Path, in_use: set[str] = frozenset()) -> None:
         adapter = load_peft_adapter(name, Path(path), self.max_rank)
         self.host[name] = adapter
         self.host.move_to_end(name)
         self.on_device.pop(name, None)  # a re-registered name takes the new weights
-        while len(self.host) > self.host_slots:
-            evicted, _ = self.host.popitem(last=False)
-            self.on_device.pop(evicted, None)
+        for victim in [n for n in self.host if n not in in_use and n != name][:max(0, len(self.host) - self.host_slots)]:
+            del self.host[victim]
+            self.on_device.pop(victim, None)
 
     def __contains__(self, name: str) -> bool:
         return name in self.host

@@ -8,6 +8,15 @@ from app.engine.sampling_params import SamplingParams
 
 
 @dataclass
+class AdapterRef:
+    """A LoRA adapter named by a request: its name, and the path to load it from on first use."""
+
+    name: str
+    path: str | None = None
+    field: str = "lora_task_id"  # how the request named it, for error messages
+
+
+@dataclass
 class GenerationJob:
     """A request as the ingress understood it: text, chat messages or token ids, plus parameters."""
 
@@ -18,6 +27,7 @@ class GenerationJob:
     messages: list[dict] | None = None
     stop: list[str] = field(default_factory=list)  # stop strings, matched on text
     bad_words: list[str] = field(default_factory=list)
+    adapter: AdapterRef | None = None
 
 
 @dataclass
@@ -26,6 +36,7 @@ class TokenizedJob:
     prompt_token_ids: list[int]
     params: SamplingParams  # stop/bad words now as token-id sequences too
     stop: list[str]
+    adapter: AdapterRef | None = None
 
 
 @dataclass

@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from app.engine.errors import InvalidRequestError
 from app.engine.sampling_params import SamplingParams
-from app.protocol.messages import GenerationJob, TextChunk
+from app.protocol.messages import AdapterRef, GenerationJob, TextChunk
 
 TEXT_MODELS = ("ensemble", "tensorrt_llm_bls")
 IDS_MODEL = "tensorrt_llm"
@@ -78,6 +78,10 @@ class TritonGenerateRequest(BaseModel):
     return_log_probs: bool | None = None
     return_perf_metrics: bool | None = None
     request_id: str | None = None
+    lora_task_id: int | str | None = None
+    lora_path: str | None = None
+    lora_id: int | str | None = None  # llmapi: lora_id + lora_name + lora_path together
+    lora_name: str | None = None
 
     @field_validator("bad_words", "stop_words", mode="before")
     @classmethod
@@ -137,8 +141,21 @@ def parse_generate(model: str, body: Any, served_name: str, max_tokens_default: 
         logprobs=bool(req.return_log_probs), n=req.num_return_sequences or req.best_of or 1,
         beam_width=req.beam_width or 1, ignore_eos=bool(req.ignore_eos), length_penalty=req.length_penalty if req.length_penalty is not None else 1.0)
     job = GenerationJob(request_id=req.request_id or uuid.uuid4().hex, params=params, prompt=req.text_input,
-                        prompt_token_ids=req.input_ids, stop=req.stop_words or [], bad_words=req.bad_words or [])
+                        prompt_token_ids=req.input_ids, stop=req.stop_words or [], bad_words=req.bad_words or [],
+                        adapter=_adapter(req))
     return job, req
+
+
+def _adapter(req: TritonGenerateRequest) -> AdapterRef | None:
+    if req.lora_id is not None or req.lora_name is not None:
+        if req.lora_id is None or req.lora_name is None:
+            raise InvalidRequestError("lora_id", "lora_id and lora_name go together (with lora_path on first use)")
+        return AdapterRef(req.lora_name, req.lora_path, "lora_name")
+    if req.lora_task_id is not None:
+        return AdapterRef(str(req.lora_task_id), req.lora_path, "lora_task_id")
+    if req.lora_path is not None:
+        raise InvalidRequestError("lora_path", "needs lora_task_id (or lora_id + lora_name) to name the adapter")
+    return None
 
 
 def generate_response(model: str, req: TritonGenerateRequest, chunk: TextChunk, prompt_text: str,

@@ -12,21 +12,54 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+ADAPTER_SEEDS = {"sql": 1, "poet": 2, "pirate": 3, "chef": 4}
+
+
 @pytest.fixture(scope="package")
-def server(tmp_path_factory, smollm2_dir):
-    """Start the default DAG (smaller KV cache) and yield its base URL."""
+def lora_root(tmp_path_factory, smollm2_dir):
+    """PEFT adapters on SmolLM2 (random, non-zero B) under one adapter root."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    root = tmp_path_factory.mktemp("adapters")
+    for name, seed in ADAPTER_SEEDS.items():
+        torch.manual_seed(seed)
+        model = get_peft_model(AutoModelForCausalLM.from_pretrained(smollm2_dir),
+                               LoraConfig(r=4 + seed, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"],
+                                          init_lora_weights=False))
+        for module in model.modules():
+            if hasattr(module, "lora_B"):
+                for b in module.lora_B.values():
+                    torch.nn.init.normal_(b.weight, std=0.06)
+        model.save_pretrained(root / name)
+    return root
+
+
+def _write_config(tmp_path_factory, lora_root, **overrides):
+    config = yaml.safe_load(open("configs/smollm2-135m.yaml"))
+    config["kv_cache_config"]["max_tokens"] = 16384
+    config["max_seq_len"] = 2048
+    config["lora_roots"] = [str(lora_root)]
+    config["lora_adapters"] = {"sql": "sql"}
+    for key, value in overrides.items():
+        config[key] = value
+    path = tmp_path_factory.mktemp("serve") / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+@pytest.fixture(scope="package")
+def server(tmp_path_factory, smollm2_dir, lora_root):
+    """Start the default DAG (smaller KV cache, adapters under lora_root) and yield its base URL."""
     import ray
     from ray import serve
 
     from deployments.app import build_app
 
-    config = yaml.safe_load(open("configs/smollm2-135m.yaml"))
-    config["kv_cache_config"]["max_tokens"] = 16384
-    config["max_seq_len"] = 2048
-    path = tmp_path_factory.mktemp("serve") / "config.yaml"
-    path.write_text(yaml.safe_dump(config))
+    path = _write_config(tmp_path_factory, lora_root)
     port = _free_port()
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(build_app({"config": str(path)}), name="llm", route_prefix="/")
     url = f"http://127.0.0.1:{port}"
@@ -34,6 +67,20 @@ def server(tmp_path_factory, smollm2_dir):
     yield url
     serve.shutdown()
     ray.shutdown()
+
+
+@pytest.fixture(scope="package")
+def two_engine_server(server, tmp_path_factory, lora_root):
+    """A second application on the same Serve instance: two engine replicas, for routing tests."""
+    from ray import serve
+
+    from deployments.app import build_app
+
+    stages = yaml.safe_load(open("configs/smollm2-135m.yaml"))["serve"]
+    stages["engine"]["num_replicas"] = 2
+    path = _write_config(tmp_path_factory, lora_root, served_model_name="smollm2-two", serve=stages)
+    serve.run(build_app({"config": str(path)}), name="two", route_prefix="/two")
+    return f"{server}/two"
 
 
 @pytest.fixture

@@ -1,0 +1,36 @@
+"""Where LoRA adapters may come from: names in the config, paths confined to configured roots.
+
+A path from a request is resolved (symlinks followed) and must land inside one of the roots; the
+check only inspects the path, so a refused file is never opened.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from app.engine.errors import InvalidRequestError
+from app.protocol.messages import AdapterRef
+
+
+class AdapterPolicy:
+    def __init__(self, roots: list[str], named: dict[str, str]):
+        self.roots = [Path(r).expanduser().resolve() for r in roots]
+        self.named = dict(named)
+
+    def resolve(self, ref: AdapterRef) -> AdapterRef:
+        """The adapter with an absolute, allowed path (or none: the engine may hold it already)."""
+        if ref.path is None:
+            configured = self.named.get(ref.name)
+            return AdapterRef(ref.name, self._allowed(configured, "lora_adapters") if configured else None, ref.field)
+        return AdapterRef(ref.name, self._allowed(ref.path, "lora_path"), ref.field)
+
+    def _allowed(self, path: str, field: str) -> str:
+        if not self.roots:
+            raise InvalidRequestError(field, "loading adapters by path is disabled: the config sets no lora_roots",
+                                      status=403)
+        candidate = Path(path)
+        if not candidate.is_absolute():
+            candidate = self.roots[0] / candidate
+        resolved = candidate.resolve()
+        if not any(resolved == root or root in resolved.parents for root in self.roots):
+            raise InvalidRequestError(field, f"{path!r} is outside the configured adapter roots", status=403)
+        return str(resolved)

@@ -1,0 +1,118 @@
+"""Adapters over HTTP: naming styles, exactness against peft, path safety, replica affinity."""
+import concurrent.futures
+import os
+
+import httpx
+import pytest
+import torch
+
+from tests.conftest import hf_greedy
+from tests.serve.conftest import ADAPTER_SEEDS
+
+PROMPT = "Write a short greeting:"
+
+
+@pytest.fixture(scope="module")
+def peft_text(smollm2_dir, lora_root, smollm2_tokenizer):
+    """transformers + peft greedy text for each adapter (None: the base model)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    ids = smollm2_tokenizer.encode(PROMPT)
+    texts = {}
+    for name in [None, *ADAPTER_SEEDS]:
+        model = AutoModelForCausalLM.from_pretrained(smollm2_dir)
+        if name is not None:
+            model = PeftModel.from_pretrained(model, lora_root / name)
+        texts[name] = smollm2_tokenizer.decode(hf_greedy(model.eval(), ids, 12), skip_special_tokens=True)
+    assert len(set(texts.values())) == len(texts), "adapters must change the output"
+    return texts
+
+
+def _generate(http, **fields):
+    return http.post("/v2/models/ensemble/generate", json={"text_input": PROMPT, "max_tokens": 12, **fields})
+
+
+def test_first_use_with_path_then_id_only(http, lora_root, peft_text):
+    first = _generate(http, lora_task_id=101, lora_path=str(lora_root / "poet"))
+    assert first.status_code == 200, first.text
+    assert first.json()["text_output"] == peft_text["poet"]
+    again = _generate(http, lora_task_id=101)
+    assert again.json()["text_output"] == peft_text["poet"]
+
+
+def test_llmapi_trio_and_relative_path(http, peft_text):
+    r = http.post("/v2/models/tensorrt_llm/generate", json={
+        "text_input": PROMPT, "sampling_param_max_tokens": 12, "lora_id": 7, "lora_name": "pirate",
+        "lora_path": "pirate"})
+    assert r.status_code == 200, r.text
+    assert r.json()["text_output"] == peft_text["pirate"]
+
+
+def test_openai_model_field_names_a_configured_adapter(http, server, peft_text):
+    import openai
+
+    client = openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0)
+    assert {"smollm2-135m", "sql"} <= {m.id for m in client.models.list().data}
+    r = client.completions.create(model="sql", prompt=PROMPT, max_tokens=12, temperature=0)
+    assert r.choices[0].text == peft_text["sql"]
+
+
+def test_a_batch_mixing_adapters_and_base_is_exact(http, server, lora_root, peft_text):
+    jobs = [None, "sql", "poet", "pirate", "chef", None, "chef", "sql"]
+
+    def one(name):
+        with httpx.Client(base_url=server, timeout=120) as client:
+            fields = {} if name is None else {"lora_task_id": f"mix-{name}", "lora_path": str(lora_root / name)}
+            return client.post("/v2/models/ensemble/generate",
+                               json={"text_input": PROMPT, "max_tokens": 12, **fields}).json()["text_output"]
+
+    with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
+        texts = list(pool.map(one, jobs))
+    assert texts == [peft_text[name] for name in jobs]
+    lora = http.get("/stats").json()["lora"]
+    assert {"mix-sql", "mix-chef"} <= set(lora["host"]) and lora["loads"] >= 4
+
+
+def test_unknown_adapter_says_how_to_send_it(http):
+    r = _generate(http, lora_task_id=999)
+    assert r.status_code == 400
+    assert "not loaded" in r.json()["error"] and "lora_path" in r.json()["error"]
+
+
+@pytest.mark.parametrize("make_path", [
+    lambda root, tmp: "/etc",
+    lambda root, tmp: str(root / ".." / "elsewhere"),
+    lambda root, tmp: "../../etc",
+    lambda root, tmp: str(_symlink_out(root, tmp)),
+])
+def test_paths_outside_the_roots_are_forbidden(http, lora_root, tmp_path, make_path):
+    r = _generate(http, lora_task_id=555, lora_path=make_path(lora_root, tmp_path))
+    assert r.status_code == 403, r.text
+    assert "outside the configured adapter roots" in r.json()["error"]
+
+
+def _symlink_out(root, tmp):
+    target = tmp / "secret-adapter"
+    target.mkdir()
+    link = root / f"link-{os.getpid()}-{len(list(root.iterdir()))}"
+    link.symlink_to(target)
+    return link
+
+
+def test_replica_affinity_for_adapters(two_engine_server, lora_root, peft_text):
+    """With two engine replicas, an adapter loaded on one (by path) keeps finding it there: later
+    requests send only the id, which the other replica would refuse as not loaded."""
+    with httpx.Client(base_url=two_engine_server, timeout=120) as client:
+        def send(**fields):
+            return client.post("/v2/models/ensemble/generate",
+                               json={"text_input": PROMPT, "max_tokens": 12, **fields})
+
+        first = send(lora_task_id="affine", lora_path=str(lora_root / "chef"))
+        assert first.status_code == 200, first.text
+        for _ in range(6):
+            r = send(lora_task_id="affine")
+            assert r.status_code == 200, r.text
+            assert r.json()["text_output"] == peft_text["chef"]
+        for _ in range(4):  # base-model requests still work on either replica
+            assert send().json()["text_output"] == peft_text[None]

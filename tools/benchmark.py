@@ -38,11 +38,22 @@ def engine_command(args) -> dict:
                           batching_type=args.batching, enable_chunked_prefill=not args.no_chunked_prefill,
                           kv_cache_config={"max_tokens": args.kv_tokens, "tokens_per_block": args.block_size,
                                            "enable_block_reuse": not args.no_reuse})
+    config.max_loras = max(config.max_loras, args.adapters)
     engine = LLMEngine(config)
     wl = synthetic(args.num_requests, args.input_len, args.output_len, engine.limits.vocab_size, args.seed,
                    args.ignore_eos, args.concurrency, args.request_rate, args.arrival)
     engine.generate([wl.prompts[0][:16]], SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
     results = [run_engine(engine, wl)]
+    if args.adapters:
+        import tempfile
+
+        from tools.bench.adapters import make_adapters
+        names = list(make_adapters(engine.model_dir, Path(tempfile.mkdtemp()), args.adapters, args.lora_rank).items())
+        for name, path in names:
+            engine.add_lora(name, path)
+        wl.adapters = [names[i % len(names)][0] for i in range(wl.num_requests)]
+        results.append(run_engine(engine, wl, f"ours, {args.adapters} adapters (rank {args.lora_rank})"))
+        wl.adapters = None
     if "hf" in args.compare:
         from tools.bench.hf_baseline import load_hf, run_sequential, run_static_batches
         model = load_hf(engine.model_dir, resolve_dtype(args.dtype, torch.device(args.device)), args.device)
@@ -124,6 +135,8 @@ def main(argv=None) -> None:
     e.add_argument("--no-chunked-prefill", action="store_true")
     e.add_argument("--policy", default="GUARANTEED_NO_EVICT", choices=["GUARANTEED_NO_EVICT", "MAX_UTILIZATION"])
     e.add_argument("--batching", default="INFLIGHT", choices=["INFLIGHT", "STATIC"])
+    e.add_argument("--adapters", type=int, default=0, help="also run with requests spread over K LoRA adapters")
+    e.add_argument("--lora-rank", type=int, default=8)
     e.add_argument("--compare", nargs="*", default=[], choices=["hf"])
     e.add_argument("--hf-sequential-requests", type=int, default=4,
                    help="how many requests the sequential baseline runs (its tokens/s is per request)")

@@ -1,9 +1,10 @@
 """LoRA adapters: loading (PEFT format), a host cache and a bounded device cache, and the
 per-step batch that lets one forward pass serve tokens of many adapters at once.
 
-Each adapted linear adds, for every adapter present in the step, (x[rows] @ A.T @ B.T) * scaling
-to the rows of that adapter's tokens (segmented, SGMV-style): no per-adapter forward pass and
-no weight merging, so base-model tokens and any mix of adapters share one batch.
+Each adapted linear adds, for every token, (x @ A.T) * scaling @ B.T of that token's own adapter.
+The step's adapters are stacked, so this is two matmuls per module however many adapters share
+the batch, with a per-token selector that zeroes the other adapters' columns: no per-adapter
+forward pass and no weight merging; base-model tokens and any mix of adapters share one batch.
 """
 from __future__ import annotations
 
@@ -69,20 +70,46 @@ def load_peft_adapter(name: str, path: Path, max_rank: int) -> LoRAAdapter:
 
 
 @dataclass
-class LoRABatch:
-    """The step's adapters and, for each, the rows of its tokens in the packed batch."""
+class LoRAStack:
+    """The step's adapters stacked per module: A as [S * r, in] and B as [S * r, out] per shard,
+    ranks zero-padded to the largest, so every adapter of a step costs two matmuls in total."""
 
-    segments: list[tuple[LoRAAdapter, torch.Tensor]]
+    names: tuple[str, ...]
+    rank: int
+    scalings: list[float]
+    modules: dict[tuple[int, str], list[tuple[int, torch.Tensor, torch.Tensor]]]
+
+    @classmethod
+    def build(cls, adapters: list[LoRAAdapter]) -> LoRAStack:
+        rank = max(a.rank for a in adapters)
+        keys = {key for a in adapters for key in a.weights}
+        modules = {}
+        for key in keys:
+            shards = {}
+            for i, adapter in enumerate(adapters):
+                for shard, a, b in adapter.weights.get(key, []):
+                    if shard not in shards:
+                        shards[shard] = (a.new_zeros(len(adapters) * rank, a.shape[1]),
+                                         b.new_zeros(len(adapters) * rank, b.shape[0]))
+                    stacked_a, stacked_b = shards[shard]
+                    stacked_a[i * rank:i * rank + adapter.rank] = a
+                    stacked_b[i * rank:i * rank + adapter.rank] = b.T
+            modules[key] = [(shard, a, b) for shard, (a, b) in sorted(shards.items())]
+        return cls(tuple(a.name for a in adapters), rank, [a.scaling for a in adapters], modules)
+
+
+@dataclass
+class LoRABatch:
+    """One step's LoRA work: the stacked adapters, and for each token a row selecting (and
+    scaling) its own adapter's columns; base-model tokens get a row of zeros."""
+
+    stack: LoRAStack
+    selector: torch.Tensor  # [T, S * r]
 
     def apply(self, x: torch.Tensor, y: torch.Tensor, key: tuple[int, str], offsets: list[int]) -> torch.Tensor:
-        for adapter, rows in self.segments:
-            shards = adapter.weights.get(key)
-            if not shards:
-                continue
-            xs = x[rows]
-            for shard, a, b in shards:
-                start = offsets[shard]
-                y[rows, start:start + b.shape[0]] += ((xs @ a.T) @ b.T) * adapter.scaling
+        for shard, a, b in self.stack.modules.get(key, ()):
+            start = offsets[shard]
+            y[:, start:start + b.shape[1]] += ((x @ a.T) * self.selector) @ b
         return y
 
 
@@ -96,6 +123,8 @@ class LoRACache:
         self.host: OrderedDict[str, LoRAAdapter] = OrderedDict()
         self.on_device: OrderedDict[str, LoRAAdapter] = OrderedDict()
         self.loads = self.evictions = self.hits = self.misses = 0
+        self._stack: LoRAStack | None = None  # rebuilt only when the step's adapter set changes
+        self._stacked: tuple[LoRAAdapter, ...] = ()
 
     def add(self, name: str, path: Path, in_use: set[str] = frozenset()) -> None:
         adapter = load_peft_adapter(name, Path(path), self.max_rank)
@@ -109,13 +138,20 @@ class LoRACache:
     def __contains__(self, name: str) -> bool:
         return name in self.host
 
-    def batch(self, rows_by_adapter: dict[str, list[int]]) -> LoRABatch | None:
+    def batch(self, rows_by_adapter: dict[str, list[int]], num_tokens: int) -> LoRABatch | None:
         if not rows_by_adapter:
             return None
-        segments = []
-        for name, rows in rows_by_adapter.items():
-            segments.append((self._resident(name, set(rows_by_adapter)), torch.tensor(rows, device=self.device)))
-        return LoRABatch(segments)
+        names = tuple(sorted(rows_by_adapter))
+        adapters = [self._resident(name, set(names)) for name in names]
+        # A reloaded adapter is a new object: restack. Holding the old ones keeps `is` meaningful.
+        if len(adapters) != len(self._stacked) or any(a is not b for a, b in zip(adapters, self._stacked)):
+            self._stack, self._stacked = LoRAStack.build(adapters), tuple(adapters)
+        stack = self._stack
+        selector = torch.zeros(num_tokens, len(names) * stack.rank, device=self.device, dtype=self.dtype)
+        for i, name in enumerate(names):
+            rows = torch.tensor(rows_by_adapter[name], device=self.device)
+            selector[rows, i * stack.rank:(i + 1) * stack.rank] = stack.scalings[i]
+        return LoRABatch(stack, selector)
 
     def _resident(self, name: str, needed: set[str]) -> LoRAAdapter:
         if name in self.on_device:

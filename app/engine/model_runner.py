@@ -62,7 +62,7 @@ class ModelRunner:
             self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
         input_ids, positions, meta, sample_seqs, logits_indices, lora_rows = self._prepare(plan)
         kv_caches = list(self.kv_cache.unbind(0))
-        logits = self.model(input_ids, positions, kv_caches, meta, logits_indices, self.loras.batch(lora_rows))
+        logits = self.model(input_ids, positions, kv_caches, meta, logits_indices, self.loras.batch(lora_rows, len(input_ids)))
         return StepResult(sample_seqs, self.sampler(logits, sample_seqs))
 
     def _prepare(self, plan: SchedulerOutput):

@@ -9,7 +9,7 @@ def client(server):
 
 
 def test_models_list(client):
-    assert [m.id for m in client.models.list().data] == ["smollm2-135m"]
+    assert [m.id for m in client.models.list().data] == ["smollm2-135m", "sql"]  # base, then adapters
 
 
 def test_chat_completion_answers(client):

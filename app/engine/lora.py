@@ -43,7 +43,9 @@ def load_peft_adapter(name: str, path: Path, max_rank: int) -> LoRAAdapter:
     """Read adapter_config.json + adapter_model.safetensors; refuse what we cannot apply exactly."""
     config_file, weights_file = path / "adapter_config.json", path / "adapter_model.safetensors"
     if not config_file.is_file() or not weights_file.is_file():
-        raise InvalidRequestError("lora_path", f"{path} must hold adapter_config.json and adapter_model.safetensors")
+        raise InvalidRequestError("lora_path", f"{path} must hold adapter_config.json and adapter_model.safetensors "
+                                               "(PEFT) or model.lora_weights.npy and model.lora_config.npy "
+                                               "(TensorRT-LLM)")
     config = json.loads(config_file.read_text())
     rank = int(config.get("r", 0))
     if config.get("peft_type", "LORA") != "LORA" or config.get("use_dora"):
@@ -67,6 +69,47 @@ def load_peft_adapter(name: str, path: Path, max_rank: int) -> LoRAAdapter:
     for (layer, target, shard), pair in sorted(tensors.items()):
         weights.setdefault((layer, target), []).append((shard, pair["lora_A"], pair["lora_B"]))
     return LoRAAdapter(name, rank, scaling, weights)
+
+
+# TensorRT-LLM's LoRA module ids (LoraManager.LORA_MODULE_IDS) -> the HF module they adapt.
+# Its converter maps up_proj to "mlp_gate" (7) and gate_proj to "mlp_h_to_4h" (5).
+TRTLLM_MODULES = {1: "q_proj", 2: "k_proj", 3: "v_proj", 4: "o_proj", 5: "gate_proj", 6: "down_proj", 7: "up_proj"}
+
+
+def load_trtllm_adapter(name: str, path: Path, max_rank: int, shapes: dict[str, tuple[int, int]]) -> LoRAAdapter:
+    """The format the seeds' hf_lora_convert.py writes: model.lora_config.npy rows of
+    [module_id, layer, rank] and model.lora_weights.npy rows of A [rank, in] then B * scale
+    [out, rank], flattened and zero-padded. The scale is already in B."""
+    import numpy as np
+
+    config = np.load(path / "model.lora_config.npy").reshape(-1, 3)
+    rows = np.load(path / "model.lora_weights.npy")
+    rows = rows.reshape(config.shape[0], -1)
+    weights: dict[tuple[int, str], list] = {}
+    top_rank = 0
+    for (module_id, layer, rank), row in zip(config.tolist(), rows):
+        module = TRTLLM_MODULES.get(module_id)
+        if module is None:
+            raise InvalidRequestError("lora_config", f"LoRA module id {module_id} is not supported; "
+                                                     f"supported: {sorted(TRTLLM_MODULES)}")
+        if not 1 <= rank <= max_rank:
+            raise InvalidRequestError("lora_config", f"adapter rank {rank} must be in [1, max_lora_rank={max_rank}]")
+        fan_in, fan_out = shapes[module]
+        flat = torch.from_numpy(np.ascontiguousarray(row)).float()
+        a = flat[:rank * fan_in].reshape(rank, fan_in)
+        b = flat[rank * fan_in:rank * (fan_in + fan_out)].reshape(fan_out, rank)
+        target, shard = TARGETS[module]
+        weights.setdefault((layer, target), []).append((shard, a, b))
+        top_rank = max(top_rank, rank)
+    for shards in weights.values():
+        shards.sort(key=lambda s: s[0])
+    return LoRAAdapter(name, top_rank, 1.0, weights)
+
+
+def load_adapter(name: str, path: Path, max_rank: int, shapes: dict[str, tuple[int, int]]) -> LoRAAdapter:
+    if (path / "model.lora_weights.npy").is_file() and (path / "model.lora_config.npy").is_file():
+        return load_trtllm_adapter(name, path, max_rank, shapes)
+    return load_peft_adapter(name, path, max_rank)
 
 
 @dataclass
@@ -117,8 +160,10 @@ class LoRACache:
     """Adapters by name: every registered one on the host, at most `device_slots` on the device
     (least recently used evicted; an adapter the current step needs is never evicted)."""
 
-    def __init__(self, device_slots: int, host_slots: int, max_rank: int, device: torch.device, dtype: torch.dtype):
+    def __init__(self, device_slots: int, host_slots: int, max_rank: int, device: torch.device, dtype: torch.dtype,
+                 shapes: dict[str, tuple[int, int]]):
         self.device_slots, self.host_slots, self.max_rank = device_slots, host_slots, max_rank
+        self.shapes = shapes  # HF module -> (in, out), to read the TensorRT-LLM format
         self.device, self.dtype = device, dtype
         self.host: OrderedDict[str, LoRAAdapter] = OrderedDict()
         self.on_device: OrderedDict[str, LoRAAdapter] = OrderedDict()
@@ -127,7 +172,7 @@ class LoRACache:
         self._stacked: tuple[LoRAAdapter, ...] = ()
 
     def add(self, name: str, path: Path, in_use: set[str] = frozenset()) -> None:
-        adapter = load_peft_adapter(name, Path(path), self.max_rank)
+        adapter = load_adapter(name, Path(path), self.max_rank, self.shapes)
         self.host[name] = adapter
         self.host.move_to_end(name)
         self.on_device.pop(name, None)  # a re-registered name takes the new weights

@@ -39,7 +39,13 @@ class ModelRunner:
         self.kv_cache = torch.zeros(cfg.num_layers, 2, self.num_blocks, self.block_size, cfg.num_kv_heads,
                                     cfg.head_dim, dtype=self.dtype, device=self.device)
         self.sampler = Sampler(config.seed, self.device)
-        self.loras = LoRACache(config.max_loras, config.max_cpu_loras, config.max_lora_rank, self.device, self.dtype)
+        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        shapes = {"q_proj": (cfg.hidden_size, q), "k_proj": (cfg.hidden_size, kv), "v_proj": (cfg.hidden_size, kv),
+                  "o_proj": (q, cfg.hidden_size), "gate_proj": (cfg.hidden_size, cfg.intermediate_size),
+                  "up_proj": (cfg.hidden_size, cfg.intermediate_size),
+                  "down_proj": (cfg.intermediate_size, cfg.hidden_size)}
+        self.loras = LoRACache(config.max_loras, config.max_cpu_loras, config.max_lora_rank, self.device, self.dtype,
+                               shapes)
 
     def _count_blocks(self, config: EngineConfig, max_seq_len: int) -> int:
         kv = config.kv_cache_config

@@ -117,3 +117,40 @@ def test_unknown_adapter_and_bad_paths_are_refused(tiny_llama_dir, tmp_path):
         engine.add_request("x", [5, 6, 7], GREEDY, adapter_id="nope")
     with pytest.raises(InvalidRequestError, match="adapter_config.json"):
         engine.add_lora("empty", tmp_path)
+
+
+def _write_trtllm_format(peft_dir, out_dir):
+    """The layout the seeds' hf_lora_convert.py writes (float32 storage): per module a row of
+    A [r, in] then B * alpha / r [out, r], flattened and zero-padded; config rows of
+    [module_id, layer, r] with TensorRT-LLM's module ids."""
+    import json
+
+    import numpy as np
+    from safetensors.torch import load_file
+
+    ids = {"q_proj": 1, "k_proj": 2, "v_proj": 3, "o_proj": 4, "gate_proj": 5, "down_proj": 6, "up_proj": 7}
+    config = json.loads((peft_dir / "adapter_config.json").read_text())
+    scale = config["lora_alpha"] / config["r"]
+    tensors = load_file(peft_dir / "adapter_model.safetensors")
+    rows, meta = [], []
+    for key in sorted(k for k in tensors if k.endswith("lora_A.weight")):
+        parts = key.split(".")
+        layer, module = int(parts[parts.index("layers") + 1]), parts[-3]
+        a, b = tensors[key], tensors[key.replace("lora_A", "lora_B")] * scale
+        rows.append(torch.cat([a.flatten(), b.flatten()]))
+        meta.append([ids[module], layer, a.shape[0]])
+    width = max(r.numel() for r in rows)
+    weights = torch.stack([torch.nn.functional.pad(r, (0, width - r.numel())) for r in rows])[None]
+    out_dir.mkdir()
+    np.save(out_dir / "model.lora_weights.npy", weights.numpy())
+    np.save(out_dir / "model.lora_config.npy", np.array([meta], dtype=np.int32))
+
+
+def test_trtllm_converted_format_matches_its_peft_original(tiny_llama_dir, adapter_dirs, expected, tmp_path):
+    prompts, out = expected
+    _write_trtllm_format(adapter_dirs["d"], tmp_path / "d-trt")
+    engine = make_engine(tiny_llama_dir)
+    engine.add_lora("d-trt", tmp_path / "d-trt")
+    pairs = [(0, "d-trt"), (1, "d-trt"), (2, None)]
+    got = _run(engine, prompts, pairs, [0, 0, 0])
+    assert got == [out[(0, "d")], out[(1, "d")], out[(2, None)]]

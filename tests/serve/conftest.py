@@ -87,3 +87,17 @@ def two_engine_server(server, tmp_path_factory, lora_root):
 def http(server):
     with httpx.Client(base_url=server, timeout=120) as client:
         yield client
+
+
+@pytest.fixture(scope="package")
+def small_queue_server(server, tmp_path_factory, lora_root):
+    """A third application whose engine takes one request at a time and queues one more."""
+    from ray import serve
+
+    from deployments.app import build_app
+
+    stages = yaml.safe_load(open("configs/smollm2-135m.yaml"))["serve"]
+    stages["engine"].update(max_ongoing_requests=1, max_queued_requests=1)
+    path = _write_config(tmp_path_factory, lora_root, served_model_name="smollm2-small", serve=stages)
+    serve.run(build_app({"config": str(path)}), name="small", route_prefix="/small")
+    return f"{server}/small"

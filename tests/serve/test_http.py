@@ -171,3 +171,23 @@ def test_command_line_client(server, capsys):
     assert "Output: " in out and "[INFO] Latency" in out and "first_token_time_ns" in out
     assert client.main(["--url", server, "--streaming", "--stop-after-ms", "1", "--request-output-len", "300"]) == 0
     assert "stopped by the client" in capsys.readouterr().out
+
+
+def test_overload_gets_503_with_retry_after_and_nothing_breaks(small_queue_server):
+    import concurrent.futures
+
+    import httpx
+
+    def one(_):
+        with httpx.Client(base_url=small_queue_server, timeout=120) as client:
+            return client.post("/v2/models/ensemble/generate", json={"text_input": "Tell me a story.", "max_tokens": 40,
+                                                                      "ignore_eos": True})
+
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        responses = list(pool.map(one, range(6)))
+    codes = sorted(r.status_code for r in responses)
+    assert 200 in codes and 503 in codes, codes
+    busy = next(r for r in responses if r.status_code == 503)
+    assert busy.headers.get("Retry-After") and "capacity" in busy.json()["error"]
+    assert all(len(r.json()["output_log_probs"]) == 40 for r in responses if r.status_code == 200)
+    assert one(0).status_code == 200

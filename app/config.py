@@ -95,6 +95,7 @@ class ServiceConfig(_Strict):
     seed: int = EngineConfig.seed
     max_tokens_default: int = Field(64, ge=1, description="max_tokens when a request names none")
     trust_remote_code: bool = False
+    step_timeout_s: float = Field(60.0, gt=0, description="a replica whose engine step runs longer is unhealthy")
     cpu_threads: int | None = Field(None, ge=1, description="torch threads of a CPU engine; default: every core "
                                     "(Ray would otherwise give it one per reserved CPU)")
     serve: ServeSection = ServeSection()

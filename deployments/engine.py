@@ -20,7 +20,7 @@ class EngineDeployment:
     def __init__(self, config: ServiceConfig):
         if config.device == "cpu":
             torch.set_num_threads(config.cpu_threads or os.cpu_count())
-        self.engine = AsyncLLMEngine(config.engine_config())
+        self.engine = AsyncLLMEngine(config.engine_config(), step_timeout_s=config.step_timeout_s)
         self.pacer = StreamPacer(config.serve.engine.stream_interval_ms)
         self.adapter_paths: dict[str, str] = {}
 

@@ -5,6 +5,8 @@ Loop (one thread, the only one touching LLMEngine):
   2. if nothing is in flight, block until a command arrives;
   3. run one step and hand each request's output to its asyncio queue.
 A step that raises kills the loop: every open stream gets EngineDeadError and `healthy` turns false.
+A step that runs longer than `step_timeout_s` makes `healthy` false too (a stuck loop), so the
+serving layer can have the replica replaced.
 """
 from __future__ import annotations
 
@@ -44,8 +46,10 @@ class _Stream:
 
 
 class AsyncLLMEngine:
-    def __init__(self, config: EngineConfig, engine: LLMEngine | None = None):
+    def __init__(self, config: EngineConfig, engine: LLMEngine | None = None, step_timeout_s: float = 60.0):
         self.engine = engine or LLMEngine(config)
+        self.step_timeout_s = step_timeout_s
+        self._step_started: float | None = None  # monotonic start of the step in progress
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
         self._lock = threading.Lock()
@@ -96,7 +100,9 @@ class AsyncLLMEngine:
 
     @property
     def healthy(self) -> bool:
-        return self._dead is None and self._thread.is_alive()
+        started = self._step_started
+        stuck = started is not None and time.monotonic() - started > self.step_timeout_s
+        return self._dead is None and self._thread.is_alive() and not stuck
 
     def shutdown(self) -> None:
         self._commands.put((Command.STOP, None))
@@ -109,7 +115,10 @@ class AsyncLLMEngine:
                 block = not self.engine.has_unfinished_requests()
                 if not self._apply_commands(block):
                     return
-                for output in self.engine.step():
+                self._step_started = time.monotonic()
+                outputs = self.engine.step()
+                self._step_started = None
+                for output in outputs:
                     self._deliver(output)
         except BaseException as exc:  # noqa: BLE001 - any escape means the engine is gone
             logger.exception("engine loop died")

@@ -75,3 +75,30 @@ def test_a_dead_loop_fails_every_stream(tiny_llama_dir):
     assert all(isinstance(r, EngineDeadError) for r in results)
     assert not front.healthy
     front.shutdown()
+
+
+def test_a_stuck_step_makes_the_engine_unhealthy(tiny_llama_dir):
+    import threading
+
+    engine = make_engine(tiny_llama_dir)
+    release = threading.Event()
+    real_execute = engine.runner.execute
+
+    def stuck(plan):
+        release.wait(timeout=30)
+        return real_execute(plan)
+
+    engine.runner.execute = stuck
+    front = AsyncLLMEngine(EngineConfig(), engine=engine, step_timeout_s=0.2)
+
+    async def main():
+        task = asyncio.create_task(_collect(front, "slow", PROMPTS[0], SamplingParams(max_tokens=2)))
+        await asyncio.sleep(0.6)
+        unhealthy_while_stuck = not front.healthy
+        release.set()
+        tokens, _ = await task
+        return unhealthy_while_stuck, tokens
+
+    unhealthy_while_stuck, tokens = asyncio.run(main())
+    assert unhealthy_while_stuck and len(tokens) == 2 and front.healthy
+    front.shutdown()

@@ -109,9 +109,12 @@ def parse_generate(model: str, body: Any, served_name: str, max_tokens_default: 
                                            f"'{served_name}', {', '.join(TEXT_MODELS)}, '{IDS_MODEL}'")
     if not isinstance(body, dict):
         raise InvalidRequestError("body", "must be a JSON object")
-    fields = {**(body.get("parameters") or {}), **{k: v for k, v in body.items() if k != "parameters"}}
+    parameters = body.get("parameters") or {}
+    if not isinstance(parameters, dict):
+        raise InvalidRequestError("parameters", "must be a JSON object")
+    fields = {**parameters, **{k: v for k, v in body.items() if k != "parameters"}}
     for key in list(fields):
-        if key in ALIASES and key != ALIASES[key]:
+        if key in ALIASES:
             fields.setdefault(ALIASES[key], fields[key])
             del fields[key]
     fields = {k: v if k in LIST_FIELDS else _one(v) for k, v in fields.items()}

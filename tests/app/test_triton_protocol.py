@@ -1,0 +1,43 @@
+"""Triton generate bodies: spellings, batches of one, parameters, and refusals naming the field."""
+import pytest
+
+from app.engine import InvalidRequestError
+from app.protocol.triton import parse_generate
+
+
+def _parse(body, model="ensemble"):
+    return parse_generate(model, body, "smollm2-135m", 64)
+
+
+def test_spellings_and_batches_of_one_map_to_one_request():
+    job, req = _parse({"text_input": ["hi"], "parameters": {"runtime_top_k": [[5]], "len_penalty": 0.5},
+                       "request_output_len": [[7]], "streaming": True, "stop_words": [["a", "b"]]})
+    assert job.prompt == "hi" and job.params.max_tokens == 7 and job.params.top_k == 5
+    assert job.params.length_penalty == 0.5 and req.stream and job.stop == ["a", "b"]
+    assert job.params.temperature == 1.0  # top_k set: sampling
+
+
+def test_no_sampling_knob_means_greedy_as_in_tensorrt_llm():
+    job, _ = _parse({"text_input": "hi"})
+    assert job.params.greedy and job.params.max_tokens == 64
+
+
+def test_llmapi_fields():
+    job, req = _parse({"text_input": "hi", "sampling_param_max_tokens": 9, "sampling_param_temperature": 0.7,
+                       "sampling_param_return_perf_metrics": True}, model="tensorrt_llm")
+    assert job.params.max_tokens == 9 and job.params.temperature == 0.7 and req.return_perf_metrics
+
+
+@pytest.mark.parametrize("body, field", [
+    ([1, 2], "body"),
+    ({"text_input": "hi", "parameters": [1]}, "parameters"),
+    ({"text_input": "hi", "top_k": -1}, "top_k"),
+    ({"text_input": "hi", "lora_path": "x"}, "lora_path"),
+    ({"text_input": "hi", "lora_id": 3}, "lora_id"),
+    ({"text_input": "hi", "stop": True}, "stop"),
+    ({"input_ids": [1, 2]}, "input_ids"),
+])
+def test_refusals_name_the_field(body, field):
+    with pytest.raises(InvalidRequestError) as err:
+        _parse(body)
+    assert err.value.field == field

@@ -6,8 +6,9 @@ import os
 import torch
 from ray import serve
 
+from app.adapters import AdapterPolicy
 from app.config import ServiceConfig
-from app.engine import AsyncLLMEngine, InvalidRequestError, SamplingParams
+from app.engine import AsyncLLMEngine, InvalidRequestError, LLMEngine, SamplingParams
 from app.engine.llm_engine import merge_outputs
 from app.protocol.messages import AdapterRef
 from app.streaming import StreamPacer
@@ -20,9 +21,15 @@ class EngineDeployment:
     def __init__(self, config: ServiceConfig):
         if config.device == "cpu":
             torch.set_num_threads(config.cpu_threads or os.cpu_count())
-        self.engine = AsyncLLMEngine(config.engine_config(), step_timeout_s=config.step_timeout_s)
+        engine = LLMEngine(config.engine_config())
+        # Adapters named in the config load at start, so a broken one stops start-up with its reason.
+        policy = AdapterPolicy(config.lora_roots, config.lora_adapters)
+        self.adapter_paths = {name: policy.resolve(AdapterRef(name, None, "lora_adapters")).path
+                              for name in config.lora_adapters}
+        for name, path in self.adapter_paths.items():
+            engine.add_lora(name, path)
+        self.engine = AsyncLLMEngine(config.engine_config(), engine=engine, step_timeout_s=config.step_timeout_s)
         self.pacer = StreamPacer(config.serve.engine.stream_interval_ms)
-        self.adapter_paths: dict[str, str] = {}
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        adapter: AdapterRef | None = None):

@@ -100,6 +100,12 @@ def _symlink_out(root, tmp):
     return link
 
 
+def test_configured_adapters_load_at_start(two_engine_server):
+    with httpx.Client(base_url=two_engine_server, timeout=60) as client:
+        for _ in range(4):  # whichever replica answers has it, before any request named it
+            assert "sql" in client.get("/stats").json()["lora"]["host"]
+
+
 def test_replica_affinity_for_adapters(two_engine_server, lora_root, peft_text):
     """With two engine replicas, an adapter loaded on one (by path) keeps finding it there: later
     requests send only the id, which the other replica would refuse as not loaded."""

@@ -18,7 +18,7 @@ def run_engine(engine: LLMEngine, wl: Workload, name: str = "ours") -> RunResult
     next_i = 0
     while next_i < wl.num_requests or engine.has_unfinished_requests():
         now = time.perf_counter() - start
-        in_flight = len(arrived) - sum(1 for rid in arrived if rid in tokens and rid not in engine.requests)
+        in_flight = len(engine.requests)  # the engine holds this workload's unfinished requests only
         while next_i < wl.num_requests and in_flight < wl.concurrency and (
                 wl.arrivals_s is None or wl.arrivals_s[next_i] <= now):
             rid = f"bench-{next_i}"

@@ -186,7 +186,7 @@ class LLMEngine:
         return RequestOutput(request.request_id, completions, finished, self._metrics(request) if finished else None)
 
     def _beam_output(self, request: Request) -> RequestOutput | None:
-        """Beams change until the search ends, so they are sent once, whole, best first."""
+        """Beams change until the search ends, so they are sent once, whole, best first: the n best."""
         if not request.finished:
             return None
         group = request.beam
@@ -196,7 +196,7 @@ class LLMEngine:
         completions = [CompletionOutput(
             index=i, token_ids=h.token_ids, logprobs=h.logprobs if request.params.logprobs else None,
             cumulative_logprob=sum(h.logprobs), finish_reason=h.finish_reason.value)
-            for i, h in enumerate(group.finished)]
+            for i, h in enumerate(group.finished[:request.params.n])]
         if request.aborted:
             completions = [CompletionOutput(0, [], None, 0.0, FinishReason.ABORT.value)]
         return RequestOutput(request.request_id, completions, True, self._metrics(request))

@@ -141,12 +141,17 @@ def parse_generate(model: str, body: Any, served_name: str, max_tokens_default: 
         repetition_penalty=req.repetition_penalty or 1.0, presence_penalty=req.presence_penalty or 0.0,
         frequency_penalty=req.frequency_penalty or 0.0, min_tokens=req.min_tokens or 0,
         stop_token_ids=req.stop_token_ids or [], bad_token_ids=req.bad_token_ids or [],
-        logprobs=bool(req.return_log_probs), n=req.num_return_sequences or req.best_of or 1,
+        logprobs=bool(req.return_log_probs), n=req.num_return_sequences or _default_n(req),
         beam_width=req.beam_width or 1, ignore_eos=bool(req.ignore_eos), length_penalty=req.length_penalty if req.length_penalty is not None else 1.0)
     job = GenerationJob(request_id=req.request_id or uuid.uuid4().hex, params=params, prompt=req.text_input,
                         prompt_token_ids=req.input_ids, stop=req.stop_words or [], bad_words=req.bad_words or [],
                         adapter=_adapter(req))
     return job, req
+
+
+def _default_n(req) -> int:
+    """Triton returns every beam unless num_return_sequences says fewer."""
+    return req.beam_width if (req.beam_width or 1) > 1 else (req.best_of or 1)
 
 
 def _adapter(req: TritonGenerateRequest) -> AdapterRef | None:

@@ -99,7 +99,7 @@ def _hf_beams(model, prompt, width, max_new_tokens):
 
 @pytest.mark.parametrize("width", [2, 4])
 def test_beam_search_matches_transformers(engine, tiny_hf, width):
-    out = _generate(engine, max_tokens=12, beam_width=width)
+    out = _generate(engine, max_tokens=12, beam_width=width, n=width)
     assert [c.token_ids for c in out.outputs] == _hf_beams(tiny_hf, PROMPT, width, 12)
     assert engine.stats().free_blocks == engine.stats().max_blocks
 
@@ -108,7 +108,7 @@ def test_beam_search_with_end_of_sequence(smollm2_dir, smollm2_hf, smollm2_token
     prompt = smollm2_tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
                                                    add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
     engine = make_engine(smollm2_dir, tokens_per_block=16)
-    out = engine.generate([prompt], SamplingParams(max_tokens=16, beam_width=3))[0]
+    out = engine.generate([prompt], SamplingParams(max_tokens=16, beam_width=3, n=3))[0]
     assert [c.token_ids for c in out.outputs] == _hf_beams(smollm2_hf, prompt, 3, 16)
     assert out.outputs[0].finish_reason == "stop"
 

@@ -63,12 +63,22 @@ class IncrementalDetokenizer:
             self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
         return self._release(final=False)
 
-    def finish(self) -> str:
-        """The stream ended: release everything left, partial characters included."""
+    def finish(self, cut_ids: list[int] | None = None) -> str:
+        """The stream ended: release everything left, partial characters included. `cut_ids` is a
+        stop sequence the engine matched on token ids and cut: when a stop string shows up earlier
+        in the text those ids complete (a string can tokenize differently in context), the text is
+        cut there, so the result is the same as matching on text alone."""
         if self.stopped is None:
             prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
-            self.text += self._decode(self.ids[self.prefix_offset:])[len(prefix):]
+            tail = self._decode(self.ids[self.prefix_offset:] + list(cut_ids or []))[len(prefix):]
+            rest = self._decode(self.ids[self.prefix_offset:])[len(prefix):]
+            whole, self.text = self.text + tail, self.text + rest
             self.prefix_offset = self.read_offset = len(self.ids)
+            start = max(0, self.emitted - max(map(len, self.stop), default=0))
+            hits = [(i, s) for i, s in ((whole.find(s, start), s) for s in self.stop) if 0 <= i < len(self.text)]
+            if cut_ids and hits:
+                cut, self.stopped = min(hits)
+                self.text = self.text[:cut]
         return self._release(final=True)
 
     def _release(self, final: bool) -> str:

@@ -40,7 +40,9 @@ class DetokenizerDeployment:
                     if detok.stopped is not None:
                         finish, reason = "stop", detok.stopped
                     if finish is not None:
-                        text += detok.finish()
+                        text += detok.finish(reason if isinstance(reason, list) else None)
+                        if detok.stopped is not None:
+                            finish, reason = "stop", detok.stopped
                     outputs.append(TextOutput(c.index, text, c.token_ids, c.logprobs, c.cumulative_logprob, finish,
                                               reason))
                 done_by_text = bool(detoks) and all(d.stopped is not None for d in detoks.values())

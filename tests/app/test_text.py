@@ -52,3 +52,16 @@ def test_special_tokens_are_skipped(tokenizer):
     ids = tokenizer.encode("Hi", add_special_tokens=False) + [tokenizer.eos_token_id]
     detok = IncrementalDetokenizer(tokenizer)
     assert detok.push(ids) + detok.finish() == "Hi"
+
+
+def test_a_stop_sequence_cut_on_ids_is_rechecked_on_text(tokenizer):
+    """'🌟🌟🌟' as a stop word tokenizes without the leading space the first star has in context, so
+    the engine matches its ids one star late; the text must still be cut before the first star."""
+    ids = tokenizer.encode(" 🌟🌟🌟🌟🌟")
+    stop_ids = tokenizer.encode_words(["🌟🌟🌟"])[0]
+    at = next(i for i in range(len(ids)) if ids[i:i + len(stop_ids)] == stop_ids)
+    assert at > 0 and tokenizer.decode(ids[:at]) != " "  # the ids matched late
+    detok = IncrementalDetokenizer(tokenizer, ["🌟🌟🌟"])
+    assert detok.push(ids[:at]) + detok.finish(stop_ids) == " " and detok.stopped == "🌟🌟🌟"
+    plain = IncrementalDetokenizer(tokenizer, ["never"])
+    assert plain.push(ids[:at]) + plain.finish(stop_ids) == tokenizer.decode(ids[:at])  # no string: ids' cut stands

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from app.engine.config import BatchingType, EngineConfig, KvCacheConfig, SchedulerPolicy
 
@@ -69,6 +69,21 @@ class ServeSection(_Strict):
     detokenizer: StageSection = StageSection(num_cpus=0.25)
 
 
+class TritonSection(_Strict):
+    """backend: triton: Triton's in-process server running the TensorRT-LLM backend's tensorrt_llm model."""
+
+    engine_dir: str = Field(description="the built TensorRT-LLM engine (the model's gpt_model_path)")
+    model_repository: str | None = Field(None, description="an existing repository; default: written from this config")
+    model_name: str = "tensorrt_llm"
+    backend_directory: str = "/opt/tritonserver/backends"
+    start_timeout_s: float = Field(600.0, gt=0)
+    max_queue_delay_microseconds: int = Field(0, ge=0)
+    lora_cache_optimal_adapter_size: int = Field(8, ge=1)
+    lora_cache_max_adapter_size: int = Field(64, ge=1)
+    lora_cache_gpu_memory_fraction: float = Field(0.05, gt=0.0, le=1.0)
+    lora_cache_host_memory_bytes: int = Field(1 << 30, ge=0)
+
+
 class ServiceConfig(_Strict):
     """One model served: engine keys (model.yaml spirit) plus per-stage Serve options."""
 
@@ -96,9 +111,45 @@ class ServiceConfig(_Strict):
     max_tokens_default: int = Field(64, ge=1, description="max_tokens when a request names none")
     trust_remote_code: bool = False
     step_timeout_s: float = Field(60.0, gt=0, description="a replica whose engine step runs longer is unhealthy")
+    cuda_graph_config: dict | None = Field(None, description="backend trtllm: passed to tensorrt_llm.LLM as is")
+    speculative_config: dict | None = Field(None, description="backend trtllm: passed to tensorrt_llm.LLM as is")
+    llm_args: dict = Field(default_factory=dict, description="backend trtllm: further tensorrt_llm.LLM arguments")
+    triton: TritonSection | None = None
     cpu_threads: int | None = Field(None, ge=1, description="torch threads of a CPU engine; default: every core "
                                     "(Ray would otherwise give it one per reserved CPU)")
     serve: ServeSection = ServeSection()
+
+    @model_validator(mode="after")
+    def _backend_keys(self) -> ServiceConfig:
+        trtllm_only = [k for k in ("cuda_graph_config", "speculative_config", "llm_args") if getattr(self, k)]
+        if trtllm_only and self.backend != "trtllm":
+            raise ValueError(f"{trtllm_only[0]} is read by backend trtllm only (this config's backend is {self.backend})")
+        if self.backend == "triton" and self.triton is None:
+            raise ValueError("backend triton needs a 'triton' section with engine_dir (the built TensorRT-LLM engine)")
+        if self.world_size > 1 and self.backend != "trtllm":
+            raise ValueError(f"tensor_parallel_size x pipeline_parallel_size = {self.world_size} needs backend trtllm; "
+                             f"backend {self.backend} runs one device per engine replica")
+        return self
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    def engine_deployment_options(self) -> dict:
+        """The engine stage's Serve options. A replica on GPUs owns them: one GPU for a single-device
+        engine; for TP x PP a placement group of one GPU bundle per rank (bundle 0 also holds the
+        replica's CPU), in which TensorRT-LLM's Ray workers are placed. TP must stay on one node
+        (STRICT_PACK); pipeline stages may cross nodes (PACK)."""
+        options = self.serve.engine.deployment_options()
+        if self.device == "cpu":
+            return options
+        if self.world_size == 1:
+            options["ray_actor_options"]["num_gpus"] = 1
+            return options
+        cpus = options["ray_actor_options"]["num_cpus"]
+        options["placement_group_bundles"] = [{"CPU": cpus, "GPU": 1}] + [{"GPU": 1}] * (self.world_size - 1)
+        options["placement_group_strategy"] = "PACK" if self.pipeline_parallel_size > 1 else "STRICT_PACK"
+        return options
 
     @property
     def name(self) -> str:
@@ -134,6 +185,8 @@ def parse_config(data: dict, source: str = "config") -> ServiceConfig:
         key = ".".join(str(p) for p in err["loc"])
         if err["type"] == "extra_forbidden":
             raise ConfigError(f"{source}: unknown key '{key}'") from None
+        if not err["loc"]:  # a check across keys (a model validator): its message is the sentence
+            raise ConfigError(f"{source}: {err['msg'].removeprefix('Value error, ')}") from None
         raise ConfigError(f"{source}: key '{key}': {err['msg']} (got {err.get('input')!r})") from None
     except ValueError as exc:
         raise ConfigError(f"{source}: {exc}") from None

@@ -20,7 +20,7 @@ def build_app(args: dict) -> Application:
     config = load_config(args.get("config", DEFAULT_CONFIG))
     resolve_model_dir(config.model)  # convert an embedded/GGUF model once, before any replica starts
     stages = config.serve
-    engine = EngineDeployment.options(**stages.engine.deployment_options()).bind(config)
+    engine = EngineDeployment.options(**config.engine_deployment_options()).bind(config)
     tokenizer = TokenizerDeployment.options(**stages.tokenizer.deployment_options()).bind(config.model)
     detokenizer = DetokenizerDeployment.options(**stages.detokenizer.deployment_options()).bind(config, engine)
     return Ingress.options(**stages.ingress.deployment_options()).bind(config, tokenizer, detokenizer, engine)

@@ -1,14 +1,12 @@
-"""The engine stage: one replica owns one engine and runs its loop continuously."""
+"""The engine stage: one replica owns one engine backend (torch, trtllm or triton) and streams its outputs."""
 from __future__ import annotations
 
-import os
-
-import torch
 from ray import serve
 
 from app.adapters import AdapterPolicy
+from app.backends import create_backend
 from app.config import ServiceConfig
-from app.engine import AsyncLLMEngine, InvalidRequestError, LLMEngine, SamplingParams
+from app.engine import SamplingParams
 from app.engine.llm_engine import merge_outputs
 from app.protocol.messages import AdapterRef
 from app.streaming import StreamPacer
@@ -19,38 +17,20 @@ MAX_ADAPTERS_PER_REPLICA = 64  # what Serve's multiplexed routing tracks per rep
 @serve.deployment(name="Engine")
 class EngineDeployment:
     def __init__(self, config: ServiceConfig):
-        if config.device == "cpu":
-            torch.set_num_threads(config.cpu_threads or os.cpu_count())
-        engine = LLMEngine(config.engine_config())
-        # Adapters named in the config load at start, so a broken one stops start-up with its reason.
+        # Adapters named in the config register at start, so a broken one stops start-up with its reason.
         policy = AdapterPolicy(config.lora_roots, config.lora_adapters)
-        self.adapter_paths = {name: policy.resolve(AdapterRef(name, None, "lora_adapters")).path
-                              for name in config.lora_adapters}
-        for name, path in self.adapter_paths.items():
-            engine.add_lora(name, path)
-        self.engine = AsyncLLMEngine(config.engine_config(), engine=engine, step_timeout_s=config.step_timeout_s)
+        adapters = {name: policy.resolve(AdapterRef(name, None, "lora_adapters")).path for name in config.lora_adapters}
+        self.backend = create_backend(config, adapters)
         self.pacer = StreamPacer(config.serve.engine.stream_interval_ms)
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        adapter: AdapterRef | None = None):
         """Stream RequestOutput deltas, coalesced by time; cancelling the stream aborts the request."""
         if adapter is not None:
-            await self._load_adapter(adapter)
             await self._mark_resident(serve.get_multiplexed_model_id())
-        source = self.engine.generate(request_id, prompt_token_ids, params, adapter.name if adapter else None)
+        source = self.backend.generate(request_id, prompt_token_ids, params, adapter)
         async for output in self.pacer.pace(source, merge_outputs):
             yield output
-
-    async def _load_adapter(self, adapter: AdapterRef) -> None:
-        if self.engine.has_lora(adapter.name) and adapter.path is None:
-            return
-        if adapter.path is None:
-            raise InvalidRequestError(adapter.field, f"LoRA adapter '{adapter.name}' is not loaded on this server; "
-                                                     "send lora_path (a directory under the configured lora_roots) "
-                                                     "with the first request, then the name alone")
-        if not self.engine.has_lora(adapter.name) or self.adapter_paths.get(adapter.name) != adapter.path:
-            await self.engine.add_lora(adapter.name, adapter.path)
-            self.adapter_paths[adapter.name] = adapter.path
 
     @serve.multiplexed(max_num_models_per_replica=MAX_ADAPTERS_PER_REPLICA)
     async def _mark_resident(self, name: str) -> str:
@@ -58,12 +38,8 @@ class EngineDeployment:
         return name
 
     def stats(self) -> dict:
-        stats = self.engine.stats()
-        loras = self.engine.engine.runner.loras
-        return {**vars(stats), "kv_cache_hit_rate": stats.kv_cache_hit_rate, "healthy": self.engine.healthy,
-                "lora": {"host": list(loras.host), "device": list(loras.on_device), "loads": loras.loads,
-                         "evictions": loras.evictions, "hits": loras.hits, "misses": loras.misses}}
+        return self.backend.stats()
 
     def check_health(self) -> None:
-        if not self.engine.healthy:
-            raise RuntimeError("engine loop is dead")
+        if not self.backend.healthy:
+            raise RuntimeError(f"the {self.backend.name} engine backend is not healthy")

@@ -16,7 +16,7 @@ from ray.serve.handle import DeploymentHandle
 
 from app.adapters import AdapterPolicy
 from app.config import ServiceConfig
-from app.engine.errors import InvalidRequestError
+from app.engine.errors import BackendError, InvalidRequestError
 from app.protocol import openai, triton
 from app.protocol.messages import AdapterRef, GenerationJob, TextChunk, merge_chunks
 
@@ -24,21 +24,25 @@ logger = logging.getLogger("ray.serve")
 api = FastAPI(title="llm-serve")
 
 
-def request_error(exc: BaseException) -> InvalidRequestError | None:
-    """The InvalidRequestError behind an exception that crossed a Ray hop, if there is one."""
+def _behind(exc: BaseException, kind: type[BaseException]) -> BaseException | None:
+    """The `kind` error behind an exception that crossed Ray hops, if there is one."""
     seen = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
-        if isinstance(exc, InvalidRequestError):
+        if isinstance(exc, kind):
             return exc
         exc = getattr(exc, "cause", None) or exc.__cause__
     return None
 
 
+def request_error(exc: BaseException) -> InvalidRequestError | None:
+    return _behind(exc, InvalidRequestError)
+
+
 def _status(exc: BaseException) -> tuple[int, str]:
-    bad = request_error(exc)
-    if bad is not None:
-        return bad.status, str(bad)
+    known = request_error(exc) or _behind(exc, BackendError)
+    if known is not None:
+        return known.status, str(known)
     if isinstance(exc, BackPressureError):
         return 503, "server is at capacity; retry later"
     logger.exception("request failed", exc_info=exc)

@@ -89,3 +89,27 @@ def run_staggered(engine: LLMEngine, prompts: list[list[int]], params, arrivals:
             merged[out.request_id] = merge_outputs(merged.get(out.request_id), out)
         step += 1
     return [merged[f"r{i}"] for i in range(len(prompts))]
+
+
+ADAPTER_SEEDS = {"sql": 1, "poet": 2, "pirate": 3, "chef": 4}
+
+
+@pytest.fixture(scope="session")
+def lora_root(tmp_path_factory, smollm2_dir):
+    """PEFT adapters on SmolLM2 (random, non-zero B) under one adapter root."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    root = tmp_path_factory.mktemp("adapters")
+    for name, seed in ADAPTER_SEEDS.items():
+        torch.manual_seed(seed)
+        model = get_peft_model(AutoModelForCausalLM.from_pretrained(smollm2_dir),
+                               LoraConfig(r=4 + seed, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"],
+                                          init_lora_weights=False))
+        for module in model.modules():
+            if hasattr(module, "lora_B"):
+                for b in module.lora_B.values():
+                    torch.nn.init.normal_(b.weight, std=0.06)
+        model.save_pretrained(root / name)
+    return root

@@ -16,3 +16,16 @@ class InvalidRequestError(ValueError):
 
 class EngineDeadError(RuntimeError):
     """The engine loop has died; every request in flight fails with this."""
+
+
+class BackendError(RuntimeError):
+    """A production backend (TensorRT-LLM, Triton) failed a request; the message is the backend's own."""
+
+    def __init__(self, backend: str, message: str, status: int = 502):
+        super().__init__(f"{backend}: {message}")
+        self.backend = backend
+        self.message = message
+        self.status = status
+
+    def __reduce__(self):
+        return type(self), (self.backend, self.message, self.status)

@@ -106,6 +106,23 @@ def load_trtllm_adapter(name: str, path: Path, max_rank: int, shapes: dict[str, 
     return LoRAAdapter(name, top_rank, 1.0, weights)
 
 
+def to_trtllm_arrays(adapter: LoRAAdapter):
+    """The adapter in TensorRT-LLM's request format (what Triton's lora_weights / lora_config take):
+    rows of [module_id, layer, rank] and rows of A then B * scaling, flattened and zero-padded, float16."""
+    import numpy as np
+
+    module_ids = {TARGETS[hf]: module_id for module_id, hf in TRTLLM_MODULES.items()}
+    config, rows = [], []
+    for (layer, target), shards in sorted(adapter.weights.items()):
+        for shard, a, b in shards:
+            config.append([module_ids[(target, shard)], layer, a.shape[0]])
+            rows.append(torch.cat([a.flatten(), (b * adapter.scaling).flatten()]).numpy())
+    weights = np.zeros((len(rows), max(len(r) for r in rows)), dtype=np.float16)
+    for i, row in enumerate(rows):
+        weights[i, :len(row)] = row
+    return weights, np.asarray(config, dtype=np.int32)
+
+
 def load_adapter(name: str, path: Path, max_rank: int, shapes: dict[str, tuple[int, int]]) -> LoRAAdapter:
     if (path / "model.lora_weights.npy").is_file() and (path / "model.lora_config.npy").is_file():
         return load_trtllm_adapter(name, path, max_rank, shapes)

@@ -40,3 +40,25 @@ def test_bad_keys_stop_start_up_with_one_sentence(data, key):
 def test_unreadable_file(tmp_path):
     with pytest.raises(ConfigError, match="cannot read"):
         load_config(tmp_path / "missing.yaml")
+
+
+@pytest.mark.parametrize("data, says", [
+    ({"cuda_graph_config": {"max_batch_size": 8}}, "cuda_graph_config is read by backend trtllm only"),
+    ({"backend": "triton"}, "backend triton needs a 'triton' section with engine_dir"),
+    ({"tensor_parallel_size": 2}, "= 2 needs backend trtllm; backend torch runs one device per engine replica"),
+])
+def test_backend_keys_are_checked_together(data, says):
+    with pytest.raises(ConfigError, match=says):
+        parse_config(data, "my.yaml")
+
+
+def test_engine_replicas_own_their_gpus():
+    assert "num_gpus" not in parse_config({}).engine_deployment_options()["ray_actor_options"]
+    one = parse_config({"device": "cuda", "backend": "trtllm"}).engine_deployment_options()
+    assert one["ray_actor_options"]["num_gpus"] == 1 and "placement_group_bundles" not in one
+    tp = parse_config({"device": "cuda", "backend": "trtllm", "tensor_parallel_size": 2}).engine_deployment_options()
+    assert tp["placement_group_bundles"] == [{"CPU": 1.0, "GPU": 1}, {"GPU": 1}]
+    assert tp["placement_group_strategy"] == "STRICT_PACK" and "num_gpus" not in tp["ray_actor_options"]
+    pp = parse_config({"device": "cuda", "backend": "trtllm", "tensor_parallel_size": 2,
+                       "pipeline_parallel_size": 2}).engine_deployment_options()
+    assert len(pp["placement_group_bundles"]) == 4 and pp["placement_group_strategy"] == "PACK"

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from app.engine import InvalidRequestError, SamplingParams
-from tests.conftest import make_engine, random_prompts, run_staggered
+from tests.conftest import make_engine, random_prompts
 
 ADAPTERS = {  # name -> (seed, rank, targets)
     "a": (1, 4, ["q_proj", "v_proj"]),

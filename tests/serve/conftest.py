@@ -1,5 +1,6 @@
 """A real Ray Serve application on loopback, shared by the HTTP tests of a module."""
 import socket
+from pathlib import Path
 
 import httpx
 import pytest
@@ -10,30 +11,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-ADAPTER_SEEDS = {"sql": 1, "poet": 2, "pirate": 3, "chef": 4}
-
-
-@pytest.fixture(scope="package")
-def lora_root(tmp_path_factory, smollm2_dir):
-    """PEFT adapters on SmolLM2 (random, non-zero B) under one adapter root."""
-    import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    root = tmp_path_factory.mktemp("adapters")
-    for name, seed in ADAPTER_SEEDS.items():
-        torch.manual_seed(seed)
-        model = get_peft_model(AutoModelForCausalLM.from_pretrained(smollm2_dir),
-                               LoraConfig(r=4 + seed, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"],
-                                          init_lora_weights=False))
-        for module in model.modules():
-            if hasattr(module, "lora_B"):
-                for b in module.lora_B.values():
-                    torch.nn.init.normal_(b.weight, std=0.06)
-        model.save_pretrained(root / name)
-    return root
 
 
 def _write_config(tmp_path_factory, lora_root, **overrides):
@@ -101,3 +78,32 @@ def small_queue_server(server, tmp_path_factory, lora_root):
     path = _write_config(tmp_path_factory, lora_root, served_model_name="smollm2-small", serve=stages)
     serve.run(build_app({"config": str(path)}), name="small", route_prefix="/small")
     return f"{server}/small"
+
+
+FAKES = Path(__file__).resolve().parents[1] / "fakes"
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _fake_backend_app(server, tmp_path_factory, lora_root, smollm2_dir, backend: str) -> str:
+    """The same DAG on a production backend's fake (tests/fakes), at /<backend> on the same Serve."""
+    from ray import serve
+
+    from deployments.app import build_app
+
+    stages = yaml.safe_load(open("configs/smollm2-135m.yaml"))["serve"]
+    stages["engine"]["env_vars"] = {"PYTHONPATH": f"{FAKES}:{ROOT}"}  # the engine replica imports the fake
+    extra = {"triton": {"engine_dir": str(smollm2_dir)}} if backend == "triton" else {}
+    path = _write_config(tmp_path_factory, lora_root, served_model_name=f"smollm2-{backend}", backend=backend,
+                         serve=stages, **extra)
+    serve.run(build_app({"config": str(path)}), name=backend, route_prefix=f"/{backend}")
+    return f"{server}/{backend}"
+
+
+@pytest.fixture(scope="package")
+def trtllm_server(server, tmp_path_factory, lora_root, smollm2_dir):
+    return _fake_backend_app(server, tmp_path_factory, lora_root, smollm2_dir, "trtllm")
+
+
+@pytest.fixture(scope="package")
+def triton_server(server, tmp_path_factory, lora_root, smollm2_dir):
+    return _fake_backend_app(server, tmp_path_factory, lora_root, smollm2_dir, "triton")

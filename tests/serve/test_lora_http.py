@@ -4,10 +4,9 @@ import os
 
 import httpx
 import pytest
-import torch
 
 from tests.conftest import hf_greedy
-from tests.serve.conftest import ADAPTER_SEEDS
+from tests.conftest import ADAPTER_SEEDS
 
 PROMPT = "Write a short greeting:"
 

@@ -1,0 +1,120 @@
+"""One engine protocol for the engine deployment, whatever runs the model underneath.
+
+A backend takes token ids and our SamplingParams and streams RequestOutput deltas (the portable
+engine's own output type); leaving the stream early aborts the request. Everything above the
+engine (DAG, APIs, LoRA routing, metrics) sees only this.
+"""
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Protocol
+
+from app.config import ServiceConfig
+from app.engine.errors import InvalidRequestError
+from app.engine.models.llama import ModelConfig
+from app.engine.sampling_params import RequestLimits, SamplingParams
+from app.protocol.messages import AdapterRef
+
+
+class EngineBackend(Protocol):
+    """Constructed as Backend(config, adapters): `adapters` (name -> allowed path) are the config's,
+    registered before the first request."""
+
+    name: str
+
+    def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 adapter: AdapterRef | None) -> AsyncIterator:
+        """Yield RequestOutput deltas; the last has finished=True. Raises InvalidRequestError before
+        the first output for a request it refuses."""
+
+    async def add_lora(self, name: str, path: str) -> None:
+        """Make an adapter known under `name` (loaded now or on first use, as the backend does)."""
+
+    def stats(self) -> dict: ...
+
+    @property
+    def healthy(self) -> bool: ...
+
+    def shutdown(self) -> None: ...
+
+
+class AdapterTable:
+    """The adapters a replica knows: name -> path, and the integer id production backends key
+    their caches by (TensorRT-LLM's lora_int_id, Triton's lora_task_id). A new path under a known
+    name gets a new id, so a backend never serves stale weights from its cache."""
+
+    def __init__(self):
+        self.paths: dict[str, str] = {}
+        self.ids: dict[str, int] = {}
+        self._next_id = 1
+
+    def register(self, name: str, path: str) -> int:
+        if self.paths.get(name) != path:
+            self.paths[name] = path
+            self.ids[name] = self._next_id
+            self._next_id += 1
+        return self.ids[name]
+
+    def resolve(self, ref: AdapterRef) -> tuple[int, str]:
+        """(id, path) of the adapter a request names; a path on the request registers it."""
+        if ref.path is not None:
+            return self.register(ref.name, ref.path), ref.path
+        if ref.name not in self.paths:
+            raise not_loaded(ref)
+        return self.ids[ref.name], self.paths[ref.name]
+
+
+def not_loaded(ref: AdapterRef) -> InvalidRequestError:
+    return InvalidRequestError(ref.field, f"LoRA adapter '{ref.name}' is not loaded on this server; send lora_path "
+                                          "(a directory under the configured lora_roots) with the first request, "
+                                          "then the name alone")
+
+
+def request_limits(config: ServiceConfig, model: ModelConfig) -> RequestLimits:
+    """Limits for backends that size their own KV cache: the model's, capped by the config."""
+    max_seq_len = min(config.max_seq_len or model.max_seq_len, model.max_seq_len)
+    return RequestLimits(vocab_size=model.vocab_size, max_seq_len=max_seq_len, max_beam_width=config.max_beam_width,
+                         max_num_tokens=config.max_num_tokens, chunked_prefill=config.enable_chunked_prefill,
+                         max_cache_tokens=config.kv_cache_config.max_tokens or max_seq_len * config.max_batch_size)
+
+
+class StopWatcher:
+    """Stop sequences a backend does not handle as the portable engine does, given those semantics:
+    a stop sequence counts once min_tokens are out, is cut from the output, and tokens that may
+    still begin one are held back until they cannot."""
+
+    def __init__(self, stop_sequences: list[list[int]], min_tokens: int = 0):
+        self.sequences = [list(s) for s in stop_sequences]
+        self.min_tokens = min_tokens
+        self.tokens: list[int] = []
+        self.logprobs: list[float] = []
+        self.emitted = 0
+        self.matched: list[int] | None = None
+
+    def push(self, new: list[int], logprobs: list[float] | None,
+             final: bool) -> tuple[list[int], list[float] | None, list[int] | None]:
+        """Tokens (and their logprobs) to emit now, and the stop sequence that matched, if one did."""
+        start = len(self.tokens)
+        self.tokens += new
+        self.logprobs += logprobs or []
+        upto = len(self.tokens)
+        for end in range(max(start + 1, self.min_tokens), len(self.tokens) + 1):
+            self.matched = next((s for s in self.sequences if self.tokens[max(end - len(s), 0):end] == s), None)
+            if self.matched is not None:
+                upto = end - len(self.matched)
+                break
+        if self.matched is None and not final:
+            upto -= self._possible_start()
+        upto = max(upto, self.emitted)  # a stop sequence whose head was already sent: the rest is cut
+        tokens = self.tokens[self.emitted:upto]
+        probs = self.logprobs[self.emitted:upto] if logprobs is not None else None
+        self.emitted = upto
+        return tokens, probs, self.matched
+
+    def _possible_start(self) -> int:
+        """How many trailing tokens could still be the head of a stop sequence."""
+        unsent = len(self.tokens) - self.emitted
+        for k in range(min(max((len(s) for s in self.sequences), default=1) - 1, unsent), 0, -1):
+            if any(self.tokens[-k:] == s[:k] for s in self.sequences):
+                return k
+        return 0

@@ -1,0 +1,59 @@
+"""The portable PyTorch engine (app/engine) behind the engine protocol: the default backend."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from app.backends.base import AdapterTable, not_loaded
+from app.config import ServiceConfig
+from app.engine import AsyncLLMEngine, LLMEngine, SamplingParams
+from app.protocol.messages import AdapterRef
+
+
+class TorchBackend:
+    name = "torch"
+
+    def __init__(self, config: ServiceConfig, adapters: dict[str, str]):
+        if config.device == "cpu":
+            torch.set_num_threads(config.cpu_threads or os.cpu_count())
+        engine = LLMEngine(config.engine_config())
+        self.adapters = AdapterTable()
+        for name, path in adapters.items():  # before the loop starts: a broken adapter stops start-up
+            engine.add_lora(name, path)
+            self.adapters.register(name, path)
+        self.engine = AsyncLLMEngine(config.engine_config(), engine=engine, step_timeout_s=config.step_timeout_s)
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                       adapter: AdapterRef | None = None):
+        if adapter is not None:
+            await self._load(adapter)
+        async for output in self.engine.generate(request_id, prompt_token_ids, params,
+                                                 adapter.name if adapter else None):
+            yield output
+
+    async def _load(self, adapter: AdapterRef) -> None:
+        known = self.adapters.paths.get(adapter.name)
+        if adapter.path is None:
+            if known is None or not self.engine.has_lora(adapter.name):
+                raise not_loaded(adapter)
+        elif known != adapter.path or not self.engine.has_lora(adapter.name):
+            await self.add_lora(adapter.name, adapter.path)
+
+    async def add_lora(self, name: str, path: str) -> None:
+        await self.engine.add_lora(name, path)
+        self.adapters.register(name, path)
+
+    def stats(self) -> dict:
+        stats = self.engine.stats()
+        loras = self.engine.engine.runner.loras
+        return {**vars(stats), "kv_cache_hit_rate": stats.kv_cache_hit_rate, "healthy": self.healthy,
+                "lora": {"host": list(loras.host), "device": list(loras.on_device), "loads": loras.loads,
+                         "evictions": loras.evictions, "hits": loras.hits, "misses": loras.misses}}
+
+    @property
+    def healthy(self) -> bool:
+        return self.engine.healthy
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()

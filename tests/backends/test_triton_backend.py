@@ -1,0 +1,188 @@
+"""The triton backend against the fake tritonserver (tests/fakes): the model repository helper,
+input mapping, decoupled streaming, cancellation, stop words, LoRA first use and eviction, errors."""
+import sys
+
+import numpy as np
+import pytest
+
+from app.engine import InvalidRequestError, SamplingParams
+from app.engine.errors import BackendError
+from app.protocol.messages import AdapterRef
+from tests.backends.conftest import collect, engine_reference, service_config
+from tests.backends.test_trtllm_backend import PROMPT
+from tests.conftest import hf_greedy
+
+# config.pbtxt parameters of the seeds' inflight_batcher_llm tensorrt_llm model that we fill.
+SEED_PARAMETERS = {"gpt_model_type", "gpt_model_path", "batch_scheduler_policy", "kv_cache_free_gpu_mem_fraction",
+                   "max_tokens_in_paged_kv_cache", "enable_kv_cache_reuse", "enable_chunked_context",
+                   "max_beam_width", "exclude_input_in_output", "lora_cache_optimal_adapter_size",
+                   "lora_cache_max_adapter_size", "lora_cache_gpu_memory_fraction", "lora_cache_host_memory_bytes"}
+
+
+def triton_config(model_dir, tmp_path, **overrides):
+    from app.backends.triton_repository import write_model_repository
+
+    config = service_config(model_dir, backend="triton", triton={"engine_dir": str(model_dir)}, **overrides)
+    repository = write_model_repository(config, tmp_path / "repository")
+    return service_config(model_dir, backend="triton", **overrides,
+                          triton={"engine_dir": str(model_dir), "model_repository": str(repository)})
+
+
+@pytest.fixture(scope="module")
+def backend(smollm2_dir, lora_root, tmp_path_factory):
+    from app.backends.triton import TritonBackend
+
+    config = triton_config(smollm2_dir, tmp_path_factory.mktemp("triton"), lora_roots=[str(lora_root)])
+    backend = TritonBackend(config, {"sql": str(lora_root / "sql")})
+    yield backend
+    backend.shutdown()
+
+
+def last_request(backend) -> dict:
+    return backend.server._loaded["tensorrt_llm"].requests[-1]
+
+
+def test_repository_follows_the_seeds_config(smollm2_dir, tmp_path):
+    from tritonserver._api import parse_model_config
+
+    from app.backends.triton_repository import render_config
+
+    config = service_config(smollm2_dir, backend="triton", scheduler_policy="MAX_UTILIZATION",
+                            triton={"engine_dir": "/engines/llama"})
+    parsed = parse_model_config(render_config(config))
+    assert parsed["backend"] == "tensorrtllm" and parsed["decoupled"] and parsed["max_batch_size"] == 16
+    p = parsed["parameters"]
+    assert SEED_PARAMETERS <= set(p)
+    assert (p["gpt_model_type"], p["gpt_model_path"], p["batch_scheduler_policy"]) == \
+        ("inflight_fused_batching", "/engines/llama", "max_utilization")
+    assert (p["kv_cache_free_gpu_mem_fraction"], p["max_tokens_in_paged_kv_cache"], p["enable_kv_cache_reuse"]) == \
+        ("0.9", "8192", "true")
+    inputs = parsed["inputs"]
+    assert inputs["input_ids"] == {"type": "TYPE_INT32", "dims": [-1], "optional": False}
+    assert inputs["stop_words_list"]["dims"] == [2, -1] and inputs["seed"]["type"] == "TYPE_UINT64"
+    assert inputs["lora_weights"]["type"] == "TYPE_FP16" and inputs["lora_config"]["dims"] == [-1, 3]
+    assert {"output_ids", "sequence_length", "cum_log_probs", "output_log_probs", "sequence_index",
+            "arrival_time_ns", "kv_cache_reused_blocks"} <= set(parsed["outputs"])
+
+
+def test_every_field_becomes_its_input_tensor(backend):
+    params = SamplingParams(max_tokens=9, end_id=5, pad_id=6, temperature=0.7, top_k=40, top_p=0.9, seed=11,
+                            repetition_penalty=1.1, presence_penalty=0.2, frequency_penalty=0.3, min_tokens=2,
+                            stop_token_ids=[[13], [30, 31]], bad_token_ids=[[17, 18]], logprobs=True, n=2,
+                            length_penalty=0.5)
+    x = backend.inputs(PROMPT, params)
+    assert x["input_ids"].dtype == np.int32 and x["input_ids"].tolist() == [PROMPT]
+    assert x["input_lengths"].tolist() == [[len(PROMPT)]] and x["request_output_len"].tolist() == [[9]]
+    assert (x["end_id"][0, 0], x["pad_id"][0, 0], x["runtime_top_k"][0, 0], x["min_tokens"][0, 0]) == (5, 6, 40, 2)
+    for name, value in (("temperature", 0.7), ("runtime_top_p", 0.9), ("repetition_penalty", 1.1),
+                        ("presence_penalty", 0.2), ("frequency_penalty", 0.3), ("len_penalty", 0.5)):
+        assert x[name].dtype == np.float32 and x[name][0, 0] == pytest.approx(value)
+    assert x["seed"].dtype == np.uint64 and x["seed"][0, 0] == 11
+    assert x["stop_words_list"].tolist() == [[[13, 30, 31], [1, 3, -1]]]
+    assert x["bad_words_list"].tolist() == [[[17, 18], [2, -1]]]
+    assert x["num_return_sequences"][0, 0] == 2 and x["return_log_probs"][0, 0] and x["streaming"][0, 0]
+    assert x["exclude_input_in_output"][0, 0] and x["return_perf_metrics"][0, 0]
+    assert "end_id" not in backend.inputs(PROMPT, SamplingParams(ignore_eos=True))  # no end token at all
+    assert not backend.inputs(PROMPT, SamplingParams(beam_width=2))["streaming"][0, 0]
+    assert backend.inputs(PROMPT, SamplingParams(temperature=0.0))["runtime_top_k"][0, 0] == 1
+    with pytest.raises(InvalidRequestError, match="min_p"):
+        backend.inputs(PROMPT, SamplingParams(min_p=0.1))
+
+
+def test_greedy_stream_matches_transformers(backend, smollm2_hf):
+    params = SamplingParams(max_tokens=24, temperature=0.0, logprobs=True)
+    deltas, merged = collect(backend, PROMPT, params)
+    out = merged.outputs[0]
+    assert out.token_ids == hf_greedy(smollm2_hf, PROMPT, 24)
+    assert len(deltas) > 1 and deltas[-1].finished and not any(d.finished for d in deltas[:-1])
+    assert len(out.logprobs) == len(out.token_ids)
+    assert (out.finish_reason, out.stop_reason) == (("stop", backend.eos_ids[0]) if len(out.token_ids) < 24
+                                                    else ("length", None))
+    m = merged.metrics
+    assert m.arrival_time_ns <= m.first_token_time_ns <= m.last_token_time_ns
+    assert m.num_output_tokens == len(out.token_ids)
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(max_tokens=12, temperature=0.8, seed=5, n=2),
+    SamplingParams(max_tokens=10, beam_width=3, n=2),
+    SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True),
+    SamplingParams(max_tokens=16, temperature=0.0, bad_token_ids=[[1780]], min_tokens=3),
+], ids=["n2", "beams", "ignore_eos", "bad_words"])
+def test_outputs_equal_the_portable_engine(backend, smollm2_dir, params):
+    _, merged = collect(backend, PROMPT, params)
+    ref = engine_reference(smollm2_dir, PROMPT, params)
+    assert [(o.token_ids, o.finish_reason) for o in merged.outputs] == \
+        [(o.token_ids, o.finish_reason) for o in ref.outputs]
+
+
+def test_stop_words_are_cut_like_the_portable_engine(backend, smollm2_dir):
+    greedy = engine_reference(smollm2_dir, PROMPT, SamplingParams(max_tokens=24, temperature=0.0)).outputs[0].token_ids
+    for stop in ([greedy[4]], greedy[5:7]):
+        params = SamplingParams(max_tokens=24, temperature=0.0, stop_token_ids=[stop], logprobs=True)
+        deltas, merged = collect(backend, PROMPT, params)
+        ref = engine_reference(smollm2_dir, PROMPT, params).outputs[0]
+        out = merged.outputs[0]
+        assert out.token_ids == ref.token_ids and (out.finish_reason, out.stop_reason) == ("stop", stop)
+        assert len(out.logprobs) == len(out.token_ids)
+        assert all(t not in stop or len(stop) > 1 for d in deltas for o in d.outputs for t in o.token_ids)
+
+
+def test_leaving_the_stream_cancels_in_triton(backend):
+    deltas, _ = collect(backend, PROMPT, SamplingParams(max_tokens=200, ignore_eos=True), stop_after=1)
+    assert len(deltas) == 1 and not deltas[0].finished
+    model = backend.server._loaded["tensorrt_llm"]
+    assert model.engine.engine.has_unfinished_requests() is False  # cancel reached the model
+    assert backend.stats()["num_running"] == 0
+
+
+def test_lora_weights_on_first_use_then_the_id(backend, smollm2_dir, lora_root):
+    params = SamplingParams(max_tokens=12, temperature=0.0)
+    _, first = collect(backend, PROMPT, params, AdapterRef("poet", str(lora_root / "poet"), "lora_path"))
+    sent = last_request(backend)
+    assert {"lora_task_id", "lora_weights", "lora_config"} <= set(sent)
+    assert sent["lora_weights"].dtype == np.float16 and sent["lora_config"].shape[1] == 3
+    _, again = collect(backend, PROMPT, params, AdapterRef("poet", None, "lora_task_id"))
+    assert "lora_weights" not in last_request(backend)
+    assert last_request(backend)["lora_task_id"][0] == sent["lora_task_id"][0]
+    ref = engine_reference(smollm2_dir, PROMPT, params, lora_root / "poet").outputs[0].token_ids
+    base = engine_reference(smollm2_dir, PROMPT, params).outputs[0].token_ids
+    assert first.outputs[0].token_ids == ref != base
+    # fp16 weights on the wire: the same greedy tokens as the engine's own load of the adapter
+    assert again.outputs[0].token_ids == ref
+
+
+def test_evicted_adapter_is_sent_again(backend, lora_root):
+    model = backend.server._loaded["tensorrt_llm"]
+    params = SamplingParams(max_tokens=6, temperature=0.0)
+    collect(backend, PROMPT, params, AdapterRef("chef", str(lora_root / "chef"), "lora_path"))
+    model.lora_cache.clear()  # Triton's LoRA cache evicted it
+    _, merged = collect(backend, PROMPT, params, AdapterRef("chef", None, "lora_task_id"))
+    assert merged.outputs[0].token_ids and "lora_weights" in last_request(backend)
+    with pytest.raises(InvalidRequestError, match="'nobody' is not loaded"):
+        collect(backend, PROMPT, params, AdapterRef("nobody", None, "lora_task_id"))
+
+
+def test_backend_errors_become_ours(backend, monkeypatch):
+    with pytest.raises(InvalidRequestError, match="max_tokens"):
+        collect(backend, PROMPT, SamplingParams(max_tokens=5000))
+    model = backend.server._loaded["tensorrt_llm"]
+
+    async def failing(self, values):
+        raise RuntimeError("Executor failed to enqueue the request")
+
+    monkeypatch.setattr(type(model), "_lora", failing)
+    with pytest.raises(BackendError, match="triton: Executor failed to enqueue"):
+        collect(backend, PROMPT, SamplingParams(max_tokens=4))
+    original = backend.inputs
+    monkeypatch.setattr(backend, "inputs", lambda *a: {**original(*a), "draft_tokens": np.zeros((1, 2), np.int32)})
+    with pytest.raises(BackendError, match="unexpected inference input 'draft_tokens'"):
+        collect(backend, PROMPT, SamplingParams(max_tokens=4))
+
+
+def test_missing_package_is_one_sentence(smollm2_dir, tmp_path, monkeypatch):
+    from app.backends.triton import TritonBackend
+
+    monkeypatch.setitem(sys.modules, "tritonserver", None)
+    with pytest.raises(RuntimeError, match=r"needs the 'tritonserver' package"):
+        TritonBackend(triton_config(smollm2_dir, tmp_path), {})

@@ -48,13 +48,16 @@ class StageSection(_Strict):
     # Streaming hops coalesce deltas by time: the first chunk goes at once, later ones at most this often.
     stream_interval_ms: float = Field(50.0, ge=0.0, le=1000.0)
     env_vars: dict[str, str] = Field(default_factory=dict, description="environment of this stage's replicas")
+    # A replica being replaced (redeploy, downscale) finishes its requests for at most this long.
+    graceful_shutdown_timeout_s: float = Field(60.0, ge=0)
 
     def deployment_options(self) -> dict:
         actor = {"num_cpus": self.num_cpus}
         if self.env_vars:
             actor["runtime_env"] = {"env_vars": self.env_vars}
         options = {"max_ongoing_requests": self.max_ongoing_requests,
-                   "max_queued_requests": self.max_queued_requests, "ray_actor_options": actor}
+                   "max_queued_requests": self.max_queued_requests, "ray_actor_options": actor,
+                   "graceful_shutdown_timeout_s": self.graceful_shutdown_timeout_s}
         if self.autoscaling is not None:
             options["autoscaling_config"] = self.autoscaling.model_dump()
         else:
@@ -109,6 +112,11 @@ class ServiceConfig(_Strict):
     kv_cache_config: KvCacheSection = KvCacheSection()
     seed: int = EngineConfig.seed
     max_tokens_default: int = Field(64, ge=1, description="max_tokens when a request names none")
+    max_input_len: int | None = Field(EngineConfig.max_input_len, ge=1, description="longest prompt accepted (tokens)")
+    max_output_len: int | None = Field(EngineConfig.max_output_len, ge=1, description="largest max_tokens accepted")
+    api_key: str | None = Field(None, description="clients send 'Authorization: Bearer <key>' on every route "
+                                "but health; the LLM_SERVE_API_KEY environment variable sets it too")
+    max_request_bytes: int = Field(1 << 20, ge=1024, description="larger request bodies get 413")
     trust_remote_code: bool = False
     step_timeout_s: float = Field(60.0, gt=0, description="a replica whose engine step runs longer is unhealthy")
     cuda_graph_config: dict | None = Field(None, description="backend trtllm: passed to tensorrt_llm.LLM as is")
@@ -120,12 +128,16 @@ class ServiceConfig(_Strict):
     serve: ServeSection = ServeSection()
 
     @model_validator(mode="after")
-    def _backend_keys(self) -> ServiceConfig:
+    def _keys_together(self) -> ServiceConfig:
         trtllm_only = [k for k in ("cuda_graph_config", "speculative_config", "llm_args") if getattr(self, k)]
         if trtllm_only and self.backend != "trtllm":
-            raise ValueError(f"{trtllm_only[0]} is read by backend trtllm only (this config's backend is {self.backend})")
+            raise ValueError(f"{trtllm_only[0]} is read by backend trtllm only "
+                             f"(this config's backend is {self.backend})")
         if self.backend == "triton" and self.triton is None:
             raise ValueError("backend triton needs a 'triton' section with engine_dir (the built TensorRT-LLM engine)")
+        if self.max_output_len is not None and self.max_tokens_default > self.max_output_len:
+            raise ValueError(f"max_tokens_default ({self.max_tokens_default}) exceeds max_output_len "
+                             f"({self.max_output_len})")
         if self.world_size > 1 and self.backend != "trtllm":
             raise ValueError(f"tensor_parallel_size x pipeline_parallel_size = {self.world_size} needs backend trtllm; "
                              f"backend {self.backend} runs one device per engine replica")
@@ -162,7 +174,8 @@ class ServiceConfig(_Strict):
             enable_chunked_prefill=self.enable_chunked_prefill, scheduler_policy=self.scheduler_policy,
             batching_type=self.batching_type, max_beam_width=self.max_beam_width,
             kv_cache_config=KvCacheConfig(**self.kv_cache_config.model_dump()), seed=self.seed,
-            max_loras=self.max_loras, max_cpu_loras=self.max_cpu_loras, max_lora_rank=self.max_lora_rank)
+            max_loras=self.max_loras, max_cpu_loras=self.max_cpu_loras, max_lora_rank=self.max_lora_rank,
+            max_input_len=self.max_input_len, max_output_len=self.max_output_len)
 
 
 def load_config(path: str | Path) -> ServiceConfig:

@@ -10,6 +10,7 @@ from app.engine import SamplingParams
 from app.engine.llm_engine import merge_outputs
 from app.protocol.messages import AdapterRef
 from app.streaming import StreamPacer
+from deployments.metrics import EngineMetrics
 
 MAX_ADAPTERS_PER_REPLICA = 64  # what Serve's multiplexed routing tracks per replica
 
@@ -22,6 +23,7 @@ class EngineDeployment:
         adapters = {name: policy.resolve(AdapterRef(name, None, "lora_adapters")).path for name in config.lora_adapters}
         self.backend = create_backend(config, adapters)
         self.pacer = StreamPacer(config.serve.engine.stream_interval_ms)
+        self.metrics = EngineMetrics(config.name, self.backend.stats)
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        adapter: AdapterRef | None = None):

@@ -4,24 +4,31 @@ Requests are validated here (pydantic) and refused with 400 naming the field bef
 is called; an error after a stream started ends it with an error event.
 """
 
+import asyncio
 import json
 import logging
+import time
 from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
+from ray.exceptions import RayActorError
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 
 from app.adapters import AdapterPolicy
 from app.config import ServiceConfig
 from app.engine.errors import BackendError, InvalidRequestError
-from app.protocol import openai, triton
+from app.protocol import openai, openapi, triton
 from app.protocol.messages import AdapterRef, GenerationJob, TextChunk, merge_chunks
+from app.security import api_key, refusal
+from deployments.metrics import IngressMetrics
 
 logger = logging.getLogger("ray.serve")
+READY_TIMEOUT_S = 2.0
 api = FastAPI(title="llm-serve")
+api.state.api_key, api.state.max_request_bytes = None, 1 << 20  # the replica sets the config's
 
 
 def _behind(exc: BaseException, kind: type[BaseException]) -> BaseException | None:
@@ -45,12 +52,31 @@ def _status(exc: BaseException) -> tuple[int, str]:
         return known.status, str(known)
     if isinstance(exc, BackPressureError):
         return 503, "server is at capacity; retry later"
+    if _behind(exc, RayActorError) is not None:
+        return 503, "a replica serving this request died; it is being replaced, retry"
     logger.exception("request failed", exc_info=exc)
     return 500, f"internal error: {type(exc).__name__}"
 
 
 def _sse(obj) -> bytes:
     return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
+
+
+@api.middleware("http")
+async def guard(request: Request, call_next):
+    """API key and body size, before any route runs. The settings are on `request.app.state`, set
+    by the replica: Serve runs its own copy of `api`, not this module's object."""
+    state, path, root = request.app.state, request.url.path, request.scope.get("root_path", "")
+    path = path[len(root):] if root and path.startswith(root) else path  # the route prefix of the app
+    refused = refusal(path, dict(request.headers), state.api_key, state.max_request_bytes)
+    if refused is None:
+        return await call_next(request)
+    status, message = refused
+    field = message.split(":")[0]
+    body = openai.error_body(InvalidRequestError(field, message.split(": ", 1)[1], status), status) \
+        if path.startswith("/v1/") else {"error": message}
+    headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
+    return JSONResponse(body, status_code=status, headers=headers)
 
 
 @serve.deployment(name="Ingress")
@@ -64,18 +90,40 @@ class Ingress:
         self.detokenizer = detokenizer
         self.engine = engine
         self.adapters = AdapterPolicy(config.lora_roots, config.lora_adapters)
+        self.metrics = IngressMetrics(config.name)
+        api.state.api_key = api_key(config.api_key)
+        api.state.max_request_bytes = config.max_request_bytes
+
+    async def _json(self, request: Request):
+        """The body as JSON, at most max_request_bytes even when sent without a Content-Length."""
+        body = b""
+        async for part in request.stream():
+            body += part
+            if len(body) > self.config.max_request_bytes:
+                raise InvalidRequestError("body", f"exceeds the limit of {self.config.max_request_bytes} bytes",
+                                          status=413)
+        try:
+            return json.loads(body)
+        except ValueError:
+            raise InvalidRequestError("body", "is not valid JSON") from None
 
     # -- the DAG -----------------------------------------------------------------------------------
     async def _chunks(self, job: GenerationJob) -> AsyncIterator[tuple[TextChunk, list[int]]]:
         if job.adapter is not None:
             job.adapter = self.adapters.resolve(job.adapter)  # refuses paths outside the roots, unopened
+        started, first, finished, num_output = time.monotonic(), None, False, 0
         tokenized = await self.tokenizer.tokenize.remote(job)
         stream = self.detokenizer.generate.options(stream=True).remote(tokenized)
         try:
             async for chunk in stream:
+                first = first or time.monotonic()
+                num_output += sum(len(o.token_ids) for o in chunk.outputs)
+                finished = chunk.finished
                 yield chunk, tokenized.prompt_token_ids
         finally:
             stream.cancel()
+            if finished:
+                self.metrics.succeeded(job.api, started, first, len(tokenized.prompt_token_ids), num_output)
 
     async def _whole(self, job: GenerationJob) -> tuple[TextChunk, list[int]]:
         merged, ids = None, []
@@ -85,6 +133,7 @@ class Ingress:
 
     def _error(self, exc: BaseException, openai_style: bool) -> JSONResponse:
         status, message = _status(exc)
+        self.metrics.failed("openai" if openai_style else "triton", status)
         headers = {"Retry-After": "1"} if status == 503 else None
         body = openai.error_body(request_error(exc) or message, status) if openai_style else {"error": message}
         return JSONResponse(body, status_code=status, headers=headers)
@@ -110,6 +159,7 @@ class Ingress:
                     yield b"data: [DONE]\n\n"
             except Exception as exc:  # noqa: BLE001 - the status is sent: report in the stream
                 status, message = _status(exc)
+                self.metrics.failed(job.api, status)
                 yield _sse(openai.error_body(message, status) if openai_style else {"error": message})
             finally:
                 await chunks.aclose()
@@ -123,7 +173,12 @@ class Ingress:
 
     @api.get("/v2/health/ready")
     async def ready(self):
-        stats = await self.engine.stats.remote()
+        """Ready when an engine replica answers, healthy, within a couple of seconds (not while the
+        model loads or a dead replica is being replaced)."""
+        try:
+            stats = await asyncio.wait_for(self.engine.stats.remote(), timeout=READY_TIMEOUT_S)
+        except Exception:  # noqa: BLE001 - no answer in time is not ready
+            return Response(status_code=503)
         return Response(status_code=200 if stats["healthy"] else 503)
 
     @api.get("/v2")
@@ -154,14 +209,12 @@ class Ingress:
         return await self.ready()
 
     async def _parse_triton(self, model: str, request: Request):
-        try:
-            body = await request.json()
-        except ValueError:
-            raise InvalidRequestError("body", "is not valid JSON") from None
+        body = await self._json(request)
         return triton.parse_generate(model, body, self.name, self.config.max_tokens_default)
 
-    @api.post("/v2/models/{model}/generate")
-    @api.post("/v2/models/{model}/versions/{version}/generate")
+    @api.post("/v2/models/{model}/generate", openapi_extra=openapi.body(triton.TritonGenerateRequest))
+    @api.post("/v2/models/{model}/versions/{version}/generate",
+              openapi_extra=openapi.body(triton.TritonGenerateRequest))
     async def generate(self, model: str, request: Request, version: str = triton.MODEL_VERSION):
         try:
             job, req = await self._parse_triton(model, request)
@@ -171,8 +224,9 @@ class Ingress:
         prompt_text = job.prompt or ""
         return triton.generate_response(model, req, chunk, prompt_text, ids, final=True)
 
-    @api.post("/v2/models/{model}/generate_stream")
-    @api.post("/v2/models/{model}/versions/{version}/generate_stream")
+    @api.post("/v2/models/{model}/generate_stream", openapi_extra=openapi.body(triton.TritonGenerateRequest))
+    @api.post("/v2/models/{model}/versions/{version}/generate_stream",
+              openapi_extra=openapi.body(triton.TritonGenerateRequest))
     async def generate_stream(self, model: str, request: Request, version: str = triton.MODEL_VERSION):
         try:
             job, req = await self._parse_triton(model, request)
@@ -182,15 +236,12 @@ class Ingress:
             job, lambda chunk, ids: triton.generate_response(model, req, chunk, "", ids, final=chunk.finished),
             openai_style=False)
 
-    @api.post("/v2/models/{model}/infer")
-    @api.post("/v2/models/{model}/versions/{version}/infer")
+    @api.post("/v2/models/{model}/infer", openapi_extra=openapi.body(openapi.KSERVE_INFER))
+    @api.post("/v2/models/{model}/versions/{version}/infer", openapi_extra=openapi.body(openapi.KSERVE_INFER))
     async def infer(self, model: str, request: Request, version: str = triton.MODEL_VERSION):
         """KServe v2 inference with the ensemble's tensors (text_input, max_tokens, ... -> text_output)."""
         try:
-            try:
-                body = await request.json()
-            except ValueError:
-                raise InvalidRequestError("body", "is not valid JSON") from None
+            body = await self._json(request)
             fields, request_id, wanted = triton.infer_to_generate_body(body)
             job, req = triton.parse_generate(model, fields, self.name, self.config.max_tokens_default)
             chunk, ids = await self._whole(job)
@@ -206,10 +257,7 @@ class Ingress:
 
     async def _openai(self, request: Request, chat: bool):
         try:
-            body = await request.json()
-        except ValueError:
-            return self._error(InvalidRequestError("body", "is not valid JSON"), openai_style=True)
-        try:
+            body = await self._json(request)
             job, req = (openai.parse_chat if chat else openai.parse_completion)(body, self.config.max_tokens_default)
             if req.model in self.config.lora_adapters:
                 job.adapter = AdapterRef(req.model, None, "model")
@@ -229,11 +277,11 @@ class Ingress:
             return self._error(exc, openai_style=True)
         return openai.completion_response(job.request_id, self.name, chunk, chat, False, echo)
 
-    @api.post("/v1/completions")
+    @api.post("/v1/completions", openapi_extra=openapi.body(openai.CompletionRequest))
     async def completions(self, request: Request):
         return await self._openai(request, chat=False)
 
-    @api.post("/v1/chat/completions")
+    @api.post("/v1/chat/completions", openapi_extra=openapi.body(openai.ChatRequest))
     async def chat_completions(self, request: Request):
         return await self._openai(request, chat=True)
 

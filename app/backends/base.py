@@ -75,7 +75,8 @@ def request_limits(config: ServiceConfig, model: ModelConfig) -> RequestLimits:
     max_seq_len = min(config.max_seq_len or model.max_seq_len, model.max_seq_len)
     return RequestLimits(vocab_size=model.vocab_size, max_seq_len=max_seq_len, max_beam_width=config.max_beam_width,
                          max_num_tokens=config.max_num_tokens, chunked_prefill=config.enable_chunked_prefill,
-                         max_cache_tokens=config.kv_cache_config.max_tokens or max_seq_len * config.max_batch_size)
+                         max_cache_tokens=config.kv_cache_config.max_tokens or max_seq_len * config.max_batch_size,
+                         max_input_len=config.max_input_len, max_output_len=config.max_output_len)
 
 
 class StopWatcher:

@@ -58,6 +58,8 @@ class EngineConfig:
     max_loras: int = 8  # adapters resident on the device at once (lora_cache_gpu_memory_fraction's role)
     max_cpu_loras: int = 64  # adapters kept loaded on the host (lora_cache_host_memory_bytes' role)
     max_lora_rank: int = 64
+    max_input_len: int | None = None  # longest prompt accepted (tokens); default: max_seq_len - 1
+    max_output_len: int | None = None  # largest max_tokens accepted; default: what max_seq_len leaves
 
     def __post_init__(self):
         if isinstance(self.kv_cache_config, dict):

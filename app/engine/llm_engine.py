@@ -51,13 +51,15 @@ class LLMEngine:
         self.limits = RequestLimits(
             vocab_size=model_cfg.vocab_size, max_seq_len=self.max_seq_len, max_beam_width=config.max_beam_width,
             max_num_tokens=config.max_num_tokens, chunked_prefill=config.enable_chunked_prefill,
-            max_cache_tokens=self.runner.num_blocks * kv.tokens_per_block)
+            max_cache_tokens=self.runner.num_blocks * kv.tokens_per_block, max_input_len=config.max_input_len,
+            max_output_len=config.max_output_len)
         self.eos_ids = frozenset(model_cfg.eos_token_ids)
         self.requests: dict[str, Request] = {}
         self._seq_ids = itertools.count()
         self.num_steps = 0
         self._last_context_tokens = 0
         self._last_generation_requests = 0
+        self._last_context_requests = 0
 
     # -- requests ----------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -118,6 +120,7 @@ class LLMEngine:
         self.num_steps += 1
         self._last_context_tokens = sum(s.num_tokens for s in plan.scheduled if s.num_tokens > 1)
         self._last_generation_requests = sum(1 for s in plan.scheduled if s.num_tokens == 1)
+        self._last_context_requests = len(plan.scheduled) - self._last_generation_requests
         for item in plan.scheduled:
             item.seq.num_computed_tokens += item.num_tokens
             self.block_manager.register_full_blocks(item.seq)
@@ -225,7 +228,9 @@ class LLMEngine:
             free_blocks=bm.num_free_blocks, used_blocks=bm.num_blocks - bm.num_free_blocks,
             reused_blocks_total=bm.reused_blocks_total, new_blocks_total=bm.new_blocks_total, steps=self.num_steps,
             context_tokens_last_step=self._last_context_tokens,
-            generation_requests_last_step=self._last_generation_requests)
+            generation_requests_last_step=self._last_generation_requests,
+            context_requests_last_step=self._last_context_requests,
+            num_paused=sum(1 for seq in self.scheduler.waiting if seq.num_preemptions))
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[RequestOutput]:
         """Run prompts to completion (offline use, tests, benchmarks); one merged output each."""

@@ -65,6 +65,8 @@ class EngineStats:
     steps: int
     context_tokens_last_step: int
     generation_requests_last_step: int
+    context_requests_last_step: int = 0
+    num_paused: int = 0  # preempted sequences waiting to be resumed
 
     @property
     def kv_cache_hit_rate(self) -> float:

@@ -54,6 +54,8 @@ class RequestLimits:
     max_num_tokens: int
     chunked_prefill: bool
     max_cache_tokens: int
+    max_input_len: int | None = None  # operator caps from the config (None: only the model's limits)
+    max_output_len: int | None = None
 
 
 def _check(ok: bool, field_name: str, message: str) -> None:
@@ -75,7 +77,13 @@ def validate_request(prompt_token_ids: list[int], p: SamplingParams, limits: Req
            f"token ids must be in [0, {limits.vocab_size})")
     _check(n_prompt < limits.max_seq_len, "prompt",
            f"{n_prompt} tokens exceed the model limit of {limits.max_seq_len - 1} (max_seq_len {limits.max_seq_len})")
+    if limits.max_input_len is not None:
+        _check(n_prompt <= limits.max_input_len, "prompt",
+               f"{n_prompt} tokens exceed this server's max_input_len of {limits.max_input_len}")
     _check(p.max_tokens >= 1, "max_tokens", "must be at least 1")
+    if limits.max_output_len is not None:
+        _check(p.max_tokens <= limits.max_output_len, "max_tokens",
+               f"{p.max_tokens} exceeds this server's max_output_len of {limits.max_output_len}")
     _check(n_prompt + p.max_tokens <= limits.max_seq_len, "max_tokens",
            f"prompt ({n_prompt}) + max_tokens ({p.max_tokens}) exceeds max_seq_len {limits.max_seq_len}")
     _check(n_prompt + p.max_tokens <= limits.max_cache_tokens, "max_tokens",

@@ -28,6 +28,7 @@ class GenerationJob:
     stop: list[str] = field(default_factory=list)  # stop strings, matched on text
     bad_words: list[str] = field(default_factory=list)
     adapter: AdapterRef | None = None
+    api: str = "triton"  # the front end that took it: "triton" or "openai" (a metrics label)
 
 
 @dataclass

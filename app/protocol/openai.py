@@ -66,7 +66,7 @@ def _job(req: _Request, max_tokens_default: int, logprobs: bool, **prompt) -> Ge
         presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
         repetition_penalty=req.repetition_penalty, min_tokens=req.min_tokens, ignore_eos=req.ignore_eos,
         logprobs=logprobs)
-    return GenerationJob(request_id=f"cmpl-{uuid.uuid4().hex}", params=params, stop=stop, **prompt)
+    return GenerationJob(request_id=f"cmpl-{uuid.uuid4().hex}", params=params, stop=stop, api="openai", **prompt)
 
 
 def parse_completion(body: Any, max_tokens_default: int) -> tuple[GenerationJob, CompletionRequest]:

@@ -175,3 +175,9 @@ def test_limits_are_named_in_messages(engine):
     chunkless = make_engine(engine.model_dir, enable_chunked_prefill=False, max_num_tokens=16)
     with pytest.raises(InvalidRequestError, match="max_num_tokens 16"):
         chunkless.add_request("long", PROMPT, SamplingParams())
+    capped = make_engine(engine.model_dir, max_input_len=len(PROMPT) - 1, max_output_len=8)
+    with pytest.raises(InvalidRequestError, match=f"max_input_len of {len(PROMPT) - 1}"):
+        capped.add_request("long", PROMPT, SamplingParams(max_tokens=4))
+    with pytest.raises(InvalidRequestError, match="max_output_len of 8"):
+        capped.add_request("many", PROMPT[:-1], SamplingParams(max_tokens=9))
+    capped.add_request("fits", PROMPT[:-1], SamplingParams(max_tokens=8))

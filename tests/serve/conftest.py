@@ -1,4 +1,5 @@
 """A real Ray Serve application on loopback, shared by the HTTP tests of a module."""
+import os
 import socket
 from pathlib import Path
 
@@ -36,7 +37,8 @@ def server(tmp_path_factory, smollm2_dir, lora_root):
 
     path = _write_config(tmp_path_factory, lora_root)
     port = _free_port()
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+    os.environ.setdefault("RAY_metrics_report_interval_ms", "1000")  # metrics reach the scrape endpoint in ~1 s
+    ray.init(num_cpus=16, include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(build_app({"config": str(path)}), name="llm", route_prefix="/")
     url = f"http://127.0.0.1:{port}"
@@ -84,8 +86,9 @@ FAKES = Path(__file__).resolve().parents[1] / "fakes"
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _fake_backend_app(server, tmp_path_factory, lora_root, smollm2_dir, backend: str) -> str:
-    """The same DAG on a production backend's fake (tests/fakes), at /<backend> on the same Serve."""
+def _fake_backend_app(server, tmp_path_factory, lora_root, smollm2_dir, backend: str):
+    """The same DAG on a production backend's fake (tests/fakes), at /<backend> on the same Serve;
+    deleted after its module (each app's engine holds a model and a KV cache in memory)."""
     from ray import serve
 
     from deployments.app import build_app
@@ -94,16 +97,17 @@ def _fake_backend_app(server, tmp_path_factory, lora_root, smollm2_dir, backend:
     stages["engine"]["env_vars"] = {"PYTHONPATH": f"{FAKES}:{ROOT}"}  # the engine replica imports the fake
     extra = {"triton": {"engine_dir": str(smollm2_dir)}} if backend == "triton" else {}
     path = _write_config(tmp_path_factory, lora_root, served_model_name=f"smollm2-{backend}", backend=backend,
-                         serve=stages, **extra)
+                         serve=stages, kv_cache_config={"max_tokens": 4096}, **extra)
     serve.run(build_app({"config": str(path)}), name=backend, route_prefix=f"/{backend}")
-    return f"{server}/{backend}"
+    yield f"{server}/{backend}"
+    serve.delete(backend)
 
 
-@pytest.fixture(scope="package")
+@pytest.fixture(scope="module")
 def trtllm_server(server, tmp_path_factory, lora_root, smollm2_dir):
-    return _fake_backend_app(server, tmp_path_factory, lora_root, smollm2_dir, "trtllm")
+    yield from _fake_backend_app(server, tmp_path_factory, lora_root, smollm2_dir, "trtllm")
 
 
-@pytest.fixture(scope="package")
+@pytest.fixture(scope="module")
 def triton_server(server, tmp_path_factory, lora_root, smollm2_dir):
-    return _fake_backend_app(server, tmp_path_factory, lora_root, smollm2_dir, "triton")
+    yield from _fake_backend_app(server, tmp_path_factory, lora_root, smollm2_dir, "triton")

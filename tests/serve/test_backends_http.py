@@ -77,3 +77,13 @@ def test_disconnect_mid_stream_leaves_nothing_running(app):
             break
         time.sleep(0.1)
     assert http.get("/stats").json()["num_running"] == 0
+
+
+@pytest.mark.parametrize("backend, body, field", [
+    ("triton", {"text_input": "hi", "max_tokens": 4, "min_p": 0.1}, "min_p"),
+    ("trtllm", {"text_input": "hi", "max_tokens": 4, "bad_words": ["machine learning"]}, "bad_words"),
+])
+def test_what_a_backend_cannot_do_is_a_400_naming_the_field(request, backend, body, field):
+    url = request.getfixturevalue(f"{backend}_server")
+    r = httpx.post(f"{url}/v2/models/ensemble/generate", json=body, timeout=60)
+    assert r.status_code == 400 and r.json()["error"].startswith(f"{field}:"), r.text

@@ -96,6 +96,8 @@ class ServiceConfig(_Strict):
     tensor_parallel_size: int = Field(1, ge=1)
     pipeline_parallel_size: int = Field(1, ge=1)
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = EngineConfig.dtype
+    load_format: Literal["auto", "dummy"] = Field(EngineConfig.load_format, description="dummy: random weights "
+                                                  "from config.json alone, for speed runs without downloads")
     device: str = EngineConfig.device
     max_batch_size: int = Field(EngineConfig.max_batch_size, ge=1)
     max_num_tokens: int = Field(EngineConfig.max_num_tokens, ge=1)
@@ -169,8 +171,8 @@ class ServiceConfig(_Strict):
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(
-            model=self.model, dtype=self.dtype, device=self.device, max_batch_size=self.max_batch_size,
-            max_num_tokens=self.max_num_tokens, max_seq_len=self.max_seq_len,
+            model=self.model, dtype=self.dtype, device=self.device, load_format=self.load_format,
+            max_batch_size=self.max_batch_size, max_num_tokens=self.max_num_tokens, max_seq_len=self.max_seq_len,
             enable_chunked_prefill=self.enable_chunked_prefill, scheduler_policy=self.scheduler_policy,
             batching_type=self.batching_type, max_beam_width=self.max_beam_width,
             kv_cache_config=KvCacheConfig(**self.kv_cache_config.model_dump()), seed=self.seed,

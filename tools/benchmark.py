@@ -33,7 +33,8 @@ from tools.bench.workload import synthetic
 
 
 def engine_command(args) -> dict:
-    config = EngineConfig(model=args.model, dtype=args.dtype, device=args.device, max_batch_size=args.max_batch_size,
+    config = EngineConfig(model=args.model, dtype=args.dtype, device=args.device, load_format=args.load_format,
+                          cuda_graphs=not args.no_cuda_graphs, max_batch_size=args.max_batch_size,
                           max_num_tokens=args.max_num_tokens, scheduler_policy=args.policy,
                           batching_type=args.batching, enable_chunked_prefill=not args.no_chunked_prefill,
                           kv_cache_config={"max_tokens": args.kv_tokens, "tokens_per_block": args.block_size,
@@ -56,7 +57,8 @@ def engine_command(args) -> dict:
         wl.adapters = None
     if "hf" in args.compare:
         from tools.bench.hf_baseline import load_hf, run_sequential, run_static_batches
-        model = load_hf(engine.model_dir, resolve_dtype(args.dtype, torch.device(args.device)), args.device)
+        model = load_hf(engine.model_dir, resolve_dtype(args.dtype, torch.device(args.device)), args.device,
+                        dummy=args.load_format == "dummy")
         results.append(run_sequential(model, wl, min(args.hf_sequential_requests, wl.num_requests)))
         results.append(run_static_batches(model, wl))
     print(table(results, baseline=results[-1].name if len(results) > 1 else None))
@@ -119,6 +121,9 @@ def main(argv=None) -> None:
     e.add_argument("--model", default="smollm2-135m")
     e.add_argument("--device", default="cpu")
     e.add_argument("--dtype", default="auto")
+    e.add_argument("--no-cuda-graphs", action="store_true", help="CUDA: run decode steps eagerly")
+    e.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                   help="dummy: random weights from the model's config.json (e.g. configs/shapes/llama-3.1-8b)")
     e.add_argument("--num-requests", type=int, default=16)
     e.add_argument("--concurrency", type=int, default=16, help="most requests in flight at once")
     e.add_argument("--request-rate", type=float, default=None, help="requests/s (default: all at once)")

@@ -14,12 +14,15 @@ import asyncio
 import json
 import random
 import statistics
+import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
 
 TEXTS = ["Hi.", "What is machine learning?", "Write a poem about the sea and the wind over the harbour.",
          "Explain, step by step, how a compiler turns source code into machine code. " * 4,

@@ -58,6 +58,8 @@ class EngineConfig:
     max_loras: int = 8  # adapters resident on the device at once (lora_cache_gpu_memory_fraction's role)
     max_cpu_loras: int = 64  # adapters kept loaded on the host (lora_cache_host_memory_bytes' role)
     max_lora_rank: int = 64
+    cuda_graphs: bool = True  # CUDA only: replay decode steps from graphs (batch-size buckets)
+    load_format: str = "auto"  # "dummy": random weights from config.json alone (speed runs without downloads)
     max_input_len: int | None = None  # longest prompt accepted (tokens); default: max_seq_len - 1
     max_output_len: int | None = None  # largest max_tokens accepted; default: what max_seq_len leaves
 
@@ -70,5 +72,7 @@ class EngineConfig:
                      "max_lora_rank"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format must be auto or dummy, got {self.load_format!r}")
         if self.max_seq_len is not None and self.max_seq_len < 2:
             raise ValueError(f"max_seq_len must be at least 2, got {self.max_seq_len}")

@@ -90,10 +90,25 @@ def read_model_config(model_dir: Path) -> ModelConfig:
     return ModelConfig.from_hf(config)
 
 
-def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device, max_positions: int) -> LlamaForCausalLM:
+def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device, max_positions: int,
+               load_format: str = "auto") -> LlamaForCausalLM:
+    """`load_format` "dummy" builds the shape from config.json alone with random weights (vLLM's
+    load_format=dummy): for measuring speed without downloading weights."""
     cfg = read_model_config(model_dir)
     with torch.device(device):
         model = LlamaForCausalLM(cfg, max_positions, dtype)
+    if load_format == "dummy":
+        with torch.no_grad():
+            generator = torch.Generator(device=device).manual_seed(0)
+            for name, param in model.named_parameters():
+                if "norm" in name:
+                    param.fill_(1.0)
+                elif param.dim() > 1:
+                    param.normal_(0.0, 0.02, generator=generator)
+                else:
+                    param.zero_()
+        model.finish_loading()
+        return model.eval()
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors in {model_dir}")

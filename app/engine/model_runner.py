@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from app.engine.config import EngineConfig
+from app.engine.cuda_graphs import DecodeGraphs
 from app.engine.lora import LoRACache
 from app.engine.models.attention import AttentionMetadata, PrefillChunk
 from app.engine.model_loader import load_model
@@ -32,11 +33,12 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, model_dir: Path, max_seq_len: int):
         self.device = torch.device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
-        self.model = load_model(model_dir, self.dtype, self.device, max_seq_len)
+        self.model = load_model(model_dir, self.dtype, self.device, max_seq_len, config.load_format)
         self.block_size = config.kv_cache_config.tokens_per_block
         self.num_blocks = self._count_blocks(config, max_seq_len)
         cfg = self.model.config
-        self.kv_cache = torch.zeros(cfg.num_layers, 2, self.num_blocks, self.block_size, cfg.num_kv_heads,
+        # One block more than the pool hands out: the scratch block padded graph rows write to.
+        self.kv_cache = torch.zeros(cfg.num_layers, 2, self.num_blocks + 1, self.block_size, cfg.num_kv_heads,
                                     cfg.head_dim, dtype=self.dtype, device=self.device)
         self.sampler = Sampler(config.seed, self.device)
         q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
@@ -46,6 +48,11 @@ class ModelRunner:
                   "down_proj": (cfg.intermediate_size, cfg.hidden_size)}
         self.loras = LoRACache(config.max_loras, config.max_cpu_loras, config.max_lora_rank, self.device, self.dtype,
                                shapes)
+        self.graphs = None
+        if self.device.type == "cuda" and config.cuda_graphs:
+            self.graphs = DecodeGraphs(self.model, list(self.kv_cache.unbind(0)), config.max_batch_size,
+                                       -(-max_seq_len // self.block_size), self.num_blocks, self.block_size,
+                                       self.device)
 
     def _count_blocks(self, config: EngineConfig, max_seq_len: int) -> int:
         kv = config.kv_cache_config
@@ -67,8 +74,13 @@ class ModelRunner:
         for src, dst in plan.block_copies:
             self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
         input_ids, positions, meta, sample_seqs, logits_indices, lora_rows = self._prepare(plan)
-        kv_caches = list(self.kv_cache.unbind(0))
-        logits = self.model(input_ids, positions, kv_caches, meta, logits_indices, self.loras.batch(lora_rows, len(input_ids)))
+        decode_only = meta.num_decodes == len(input_ids) == len(sample_seqs) and not lora_rows
+        if self.graphs is not None and decode_only and len(input_ids) <= self.graphs.max_batch_size:
+            logits = self.graphs.run(input_ids, positions, meta)
+        else:
+            kv_caches = list(self.kv_cache.unbind(0))
+            logits = self.model(input_ids, positions, kv_caches, meta, logits_indices,
+                                self.loras.batch(lora_rows, len(input_ids)))
         return StepResult(sample_seqs, self.sampler(logits, sample_seqs))
 
     def _prepare(self, plan: SchedulerOutput):
@@ -92,12 +104,16 @@ class ModelRunner:
         slot_blocks = [s.seq.block_table[p // bs] for s in decodes + prefills
                        for p in range(s.seq.num_computed_tokens, s.seq.num_computed_tokens + s.num_tokens)]
         slots = torch.tensor(slot_blocks, dtype=torch.long) * bs + pos % bs
-        decode_tables = decode_mask = None
+        decode_tables = decode_mask = decode_lens = None
         if decodes:
             width = max(len(s.seq.block_table) for s in decodes)
-            decode_tables = torch.tensor([s.seq.block_table + [0] * (width - len(s.seq.block_table)) for s in decodes])
-            context = torch.tensor([s.seq.num_computed_tokens + 1 for s in decodes])
-            decode_mask = (torch.arange(width * bs)[None, :] < context[:, None])[:, None, None, :].to(dev)
+            decode_tables = torch.tensor([s.seq.block_table + [0] * (width - len(s.seq.block_table)) for s in decodes],
+                                         dtype=torch.int32)
+            context = torch.tensor([s.seq.num_computed_tokens + 1 for s in decodes], dtype=torch.int32)
+            if dev.type == "cuda":  # the Triton kernel takes lengths, no mask
+                decode_lens = context.to(dev, non_blocking=True)
+            else:
+                decode_mask = (torch.arange(width * bs)[None, :] < context[:, None])[:, None, None, :]
             decode_tables = decode_tables.to(dev)
         chunks, start = [], len(decodes)
         for item in prefills:
@@ -105,6 +121,6 @@ class ModelRunner:
             table = torch.tensor(item.seq.block_table[:-(-context // bs)], device=dev)
             chunks.append(PrefillChunk(start, item.num_tokens, context, table))
             start += item.num_tokens
-        meta = AttentionMetadata(slots.to(dev), len(decodes), decode_tables, decode_mask, chunks)
+        meta = AttentionMetadata(slots.to(dev), len(decodes), decode_tables, decode_mask, chunks, decode_lens)
         return (torch.tensor(tokens, device=dev), pos.to(dev), meta, sample_seqs,
                 torch.tensor(logits_indices, dtype=torch.long, device=dev), lora_rows)

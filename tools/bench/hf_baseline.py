@@ -9,13 +9,21 @@ from tools.bench.report import RequestTiming, RunResult, summarize
 from tools.bench.workload import Workload
 
 
-def load_hf(model_dir, dtype: torch.dtype, device: str):
-    from transformers import AutoModelForCausalLM
+def load_hf(model_dir, dtype: torch.dtype, device: str, dummy: bool = False):
+    """The model as transformers loads it; with `dummy`, its own random init of the config's shape."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    if dummy:
+        with torch.device(device):
+            return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), dtype=dtype).eval()
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
 
 
+def _first(ids):
+    return ids[0] if isinstance(ids, list) else ids
+
+
 def _kwargs(model, wl: Workload) -> dict:
-    kw = dict(max_new_tokens=wl.output_len, do_sample=False, pad_token_id=model.generation_config.eos_token_id)
+    kw = dict(max_new_tokens=wl.output_len, do_sample=False, pad_token_id=_first(model.generation_config.eos_token_id))
     if wl.ignore_eos:
         kw["min_new_tokens"] = wl.output_len
     return kw
@@ -50,8 +58,7 @@ def run_sequential(model, wl: Workload, limit: int) -> RunResult:
 def run_static_batches(model, wl: Workload) -> RunResult:
     """Batches of `concurrency` requests, left-padded, each batch run to its longest member."""
     device = model.device
-    pad = model.generation_config.eos_token_id
-    pad = pad[0] if isinstance(pad, list) else pad
+    pad = _first(model.generation_config.eos_token_id)
     timings = []
     start = time.perf_counter()
     for i in range(0, wl.num_requests, wl.concurrency):

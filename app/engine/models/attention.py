@@ -1,7 +1,8 @@
-"""Paged attention over the block-structured KV cache, portable PyTorch (gather + SDPA).
+"""Paged attention over the block-structured KV cache.
 
 Tokens arrive packed: first the decode tokens (one per sequence), then each prefill chunk.
-Decodes run as one batched SDPA over gathered blocks with a length mask; each prefill chunk runs
+Decodes run, on CUDA, as a Triton kernel reading each sequence's own blocks (CUDA-graph safe);
+elsewhere as one batched SDPA over gathered blocks with a length mask. Each prefill chunk runs
 its own SDPA, causal within the chunk and full over the cached prefix before it.
 """
 from __future__ import annotations
@@ -25,8 +26,9 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] cache slot written by each token
     num_decodes: int
     decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks]
-    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size]
+    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size] (portable path)
     prefills: list[PrefillChunk]
+    decode_context_lens: torch.Tensor | None = None  # [num_decodes] int32: the CUDA kernel's path
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
@@ -37,7 +39,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
     out = torch.empty_like(q)
     nd = meta.num_decodes
-    if nd:
+    if nd and meta.decode_context_lens is not None:
+        from app.engine.models.triton_attention import paged_decode
+        out[:nd] = paged_decode(q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale)
+    elif nd:
         keys = _gather(k_cache, meta.decode_block_tables)  # [B, KVH, L, D]
         values = _gather(v_cache, meta.decode_block_tables)
         o = F.scaled_dot_product_attention(q[:nd].unsqueeze(2), keys, values, attn_mask=meta.decode_mask,

@@ -1,0 +1,68 @@
+"""Paged decode attention for CUDA as a Triton kernel: one program per (sequence, KV head) walks
+that sequence's blocks with an online softmax, reading only the blocks it owns, and handles every
+query head of the KV head's group in one tile (GQA). Its inputs are tensors only (block tables,
+context lengths), so decode steps can be captured in CUDA graphs.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, scale,
+                         stride_qt, stride_qh, stride_cb, stride_cs, stride_ch, stride_tb, stride_ot, stride_oh,
+                         GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
+                         BLOCK_SIZE: tl.constexpr, IEEE: tl.constexpr):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    context = tl.load(lens_ptr + seq)
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, HEAD_DIM)
+    s = tl.arange(0, BLOCK_SIZE)
+    heads = kv_head * GROUP + g
+    q = tl.load(q_ptr + seq * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=(g < GROUP)[:, None],
+                other=0.0)
+    m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    total = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
+    for i in range(0, tl.cdiv(context, BLOCK_SIZE)):
+        block = tl.load(tables_ptr + seq * stride_tb + i).to(tl.int64)
+        valid = i * BLOCK_SIZE + s < context
+        offsets = block * stride_cb + s[:, None] * stride_cs + kv_head * stride_ch + d[None, :]
+        k = tl.load(k_ptr + offsets, mask=valid[:, None], other=0.0)
+        if IEEE:
+            scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+        else:
+            scores = tl.dot(q, tl.trans(k)) * scale
+        scores = tl.where(valid[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m, tl.max(scores, 1))
+        p = tl.exp(scores - m_new[:, None])
+        alpha = tl.exp(m - m_new)
+        total = total * alpha + tl.sum(p, 1)
+        v = tl.load(v_ptr + offsets, mask=valid[:, None], other=0.0)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m = m_new
+    out = acc / total[:, None]
+    tl.store(out_ptr + seq * stride_ot + heads[:, None] * stride_oh + d[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=(g < GROUP)[:, None])
+
+
+def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                 context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """q: [B, H, D]; caches: [num_blocks, block_size, KVH, D]; block_tables: [B, max_blocks] (int32);
+    context_lens: [B] (int32). Returns [B, H, D]."""
+    num_seqs, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    out = torch.empty_like(q)
+    _paged_decode_kernel[(num_seqs, num_kv_heads)](
+        q, k_cache, v_cache, block_tables, context_lens, out, scale,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        out.stride(0), out.stride(1), GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size, IEEE=q.dtype == torch.float32)
+    return out

@@ -1,0 +1,40 @@
+"""The engine on a CUDA device against transformers on the same device (skipped without one;
+run on the GPU machines: `pytest tests/engine/test_gpu.py`)."""
+import pytest
+import torch
+
+from app.engine import EngineConfig, LLMEngine, SamplingParams
+from tests.conftest import hf_greedy, random_prompts
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def _engine(model_dir, dtype: str) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=str(model_dir), device="cuda", dtype=dtype,
+                                  kv_cache_config={"max_tokens": 8192, "tokens_per_block": 16}))
+
+
+def test_greedy_tokens_equal_transformers_in_float32(tiny_llama_dir):
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).cuda().eval()
+    prompts = random_prompts(8, 3, 40, 256, seed=3)
+    outs = _engine(tiny_llama_dir, "float32").generate(prompts, SamplingParams(max_tokens=24, temperature=0.0))
+    for prompt, out in zip(prompts, outs):
+        assert out.outputs[0].token_ids == hf_greedy(hf, prompt, 24)
+
+
+def test_logprobs_within_bfloat16_tolerance(tiny_llama_dir):
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.bfloat16).cuda().eval()
+    prompts = random_prompts(8, 3, 40, 256, seed=4)
+    outs = _engine(tiny_llama_dir, "bfloat16").generate(prompts, SamplingParams(max_tokens=1, temperature=0.0,
+                                                                                 logprobs=True))
+    for prompt, out in zip(prompts, outs):
+        with torch.inference_mode():
+            logits = hf(torch.tensor([prompt], device="cuda")).logits[0, -1].float()
+        reference = torch.log_softmax(logits, -1)
+        token = out.outputs[0].token_ids[0]
+        assert abs(out.outputs[0].logprobs[0] - reference[token].item()) < 0.05
+        assert reference[token] >= reference.max() - 0.05  # greedy up to bf16 ties

@@ -47,9 +47,13 @@ def request_error(exc: BaseException) -> InvalidRequestError | None:
 
 
 def _status(exc: BaseException) -> tuple[int, str]:
-    known = request_error(exc) or _behind(exc, BackendError)
-    if known is not None:
-        return known.status, str(known)
+    # From their fields: an error that crossed Ray hops prints as the whole remote traceback.
+    bad = request_error(exc)
+    if bad is not None:
+        return bad.status, f"{bad.field}: {bad.message}"
+    failed = _behind(exc, BackendError)
+    if failed is not None:
+        return failed.status, f"{failed.backend}: {failed.message}"
     if isinstance(exc, BackPressureError):
         return 503, "server is at capacity; retry later"
     if _behind(exc, RayActorError) is not None:

@@ -122,6 +122,7 @@ def completion_response(job_id: str, model: str, chunk: TextChunk, chat: bool, s
 
 
 def error_body(exc: InvalidRequestError | str, status: int = 400, param: str | None = None) -> dict:
-    message = str(exc)
+    # From the fields: an error that crossed Ray hops prints as the whole remote traceback.
+    message = f"{exc.field}: {exc.message}" if isinstance(exc, InvalidRequestError) else str(exc)
     kind = "invalid_request_error" if status < 500 else "server_error"
     return {"error": {"message": message, "type": kind, "param": getattr(exc, "field", param), "code": status}}

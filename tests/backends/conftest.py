@@ -57,3 +57,17 @@ def engine_reference(model_dir, prompt, params, adapter_path=None):
         for out in engine.step():
             merged = merge_outputs(merged, out)
     return merged
+
+
+def greedy_stream(backend, hf_model, prompt, max_tokens=24):
+    """Stream a greedy request with logprobs through a backend and check it against transformers:
+    the same tokens, several deltas, only the last one finished. Returns the merged output."""
+    from app.engine import SamplingParams
+    from tests.conftest import hf_greedy
+
+    deltas, merged = collect(backend, prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=True))
+    out = merged.outputs[0]
+    assert out.token_ids == hf_greedy(hf_model, prompt, max_tokens)
+    assert len(deltas) > 1 and deltas[-1].finished and not any(d.finished for d in deltas[:-1])
+    assert len(out.logprobs) == len(out.token_ids)
+    return merged

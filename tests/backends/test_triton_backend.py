@@ -8,9 +8,8 @@ import pytest
 from app.engine import InvalidRequestError, SamplingParams
 from app.engine.errors import BackendError
 from app.protocol.messages import AdapterRef
-from tests.backends.conftest import collect, engine_reference, service_config
+from tests.backends.conftest import collect, engine_reference, greedy_stream, service_config
 from tests.backends.test_trtllm_backend import PROMPT
-from tests.conftest import hf_greedy
 
 # config.pbtxt parameters of the seeds' inflight_batcher_llm tensorrt_llm model that we fill.
 SEED_PARAMETERS = {"gpt_model_type", "gpt_model_path", "batch_scheduler_policy", "kv_cache_free_gpu_mem_fraction",
@@ -90,12 +89,8 @@ def test_every_field_becomes_its_input_tensor(backend):
 
 
 def test_greedy_stream_matches_transformers(backend, smollm2_hf):
-    params = SamplingParams(max_tokens=24, temperature=0.0, logprobs=True)
-    deltas, merged = collect(backend, PROMPT, params)
+    merged = greedy_stream(backend, smollm2_hf, PROMPT)
     out = merged.outputs[0]
-    assert out.token_ids == hf_greedy(smollm2_hf, PROMPT, 24)
-    assert len(deltas) > 1 and deltas[-1].finished and not any(d.finished for d in deltas[:-1])
-    assert len(out.logprobs) == len(out.token_ids)
     assert (out.finish_reason, out.stop_reason) == (("stop", backend.eos_ids[0]) if len(out.token_ids) < 24
                                                     else ("length", None))
     m = merged.metrics

@@ -100,7 +100,7 @@ class Ingress:
 
     async def _json(self, request: Request):
         """The body as JSON, at most max_request_bytes even when sent without a Content-Length."""
-        body = b""
+        body = bytearray()
         async for part in request.stream():
             body += part
             if len(body) > self.config.max_request_bytes:

@@ -6,12 +6,14 @@ engine (DAG, APIs, LoRA routing, metrics) sees only this.
 """
 from __future__ import annotations
 
+import importlib
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Protocol
 
 from app.config import ServiceConfig
 from app.engine.errors import InvalidRequestError
-from app.engine.models.llama import ModelConfig
+from app.engine.model_loader import read_model_config, resolve_model_dir
 from app.engine.sampling_params import RequestLimits, SamplingParams
 from app.protocol.messages import AdapterRef
 
@@ -70,13 +72,40 @@ def not_loaded(ref: AdapterRef) -> InvalidRequestError:
                                           "then the name alone")
 
 
-def request_limits(config: ServiceConfig, model: ModelConfig) -> RequestLimits:
-    """Limits for backends that size their own KV cache: the model's, capped by the config."""
-    max_seq_len = min(config.max_seq_len or model.max_seq_len, model.max_seq_len)
-    return RequestLimits(vocab_size=model.vocab_size, max_seq_len=max_seq_len, max_beam_width=config.max_beam_width,
-                         max_num_tokens=config.max_num_tokens, chunked_prefill=config.enable_chunked_prefill,
-                         max_cache_tokens=config.kv_cache_config.max_tokens or max_seq_len * config.max_batch_size,
-                         max_input_len=config.max_input_len, max_output_len=config.max_output_len)
+CONTAINER = "nvcr.io/nvidia/tritonserver:<xx.yy>-trtllm-python-py3"
+
+
+def import_backend_package(module: str, pip_name: str) -> object:
+    """Import a production backend's package, or fail start-up with one sentence saying where it lives."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        raise RuntimeError(f"backend needs the '{pip_name}' package ({exc.name} is not importable); run this "
+                           f"config in NVIDIA's {CONTAINER} container, or use backend: torch") from None
+
+
+class ServedModel:
+    """What a production backend reads of the model itself: its directory (tokenizer, limits), the
+    request limits (the model's, capped by the config; these backends size their own KV cache) and
+    its end-of-sequence ids."""
+
+    def __init__(self, config: ServiceConfig):
+        self.dir: Path = resolve_model_dir(config.model)
+        model = read_model_config(self.dir)
+        self.eos_ids = list(model.eos_token_ids)
+        max_seq_len = min(config.max_seq_len or model.max_seq_len, model.max_seq_len)
+        self.limits = RequestLimits(
+            vocab_size=model.vocab_size, max_seq_len=max_seq_len, max_beam_width=config.max_beam_width,
+            max_num_tokens=config.max_num_tokens, chunked_prefill=config.enable_chunked_prefill,
+            max_cache_tokens=config.kv_cache_config.max_tokens or max_seq_len * config.max_batch_size,
+            max_input_len=config.max_input_len, max_output_len=config.max_output_len)
+
+    def end_ids(self, params: SamplingParams) -> tuple[int, list[int]]:
+        """The end id to send (the request's, else the model's first) and the model's other end ids,
+        which must stop generation too (none when the request names its own or ignores the end)."""
+        if params.end_id is not None:
+            return params.end_id, []
+        return self.eos_ids[0], [] if params.ignore_eos else self.eos_ids[1:]
 
 
 class StopWatcher:

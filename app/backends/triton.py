@@ -12,14 +12,17 @@ from pathlib import Path
 
 import numpy as np
 
-from app.backends.base import AdapterTable, StopWatcher, request_limits
+from app.backends.base import (
+    AdapterTable,
+    ServedModel,
+    StopWatcher,
+    import_backend_package,
+)
 from app.backends.triton_repository import write_model_repository
-from app.backends.trtllm import import_backend_package
 from app.config import ServiceConfig
 from app.engine.errors import BackendError, InvalidRequestError
-from app.engine.lora import load_peft_adapter, to_trtllm_arrays
-from app.engine.model_loader import read_model_config, resolve_model_dir
 from app.engine.llm_engine import merge_outputs
+from app.engine.lora import load_peft_adapter, to_trtllm_arrays
 from app.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from app.engine.sampling_params import SamplingParams, validate_request
 from app.protocol.messages import AdapterRef
@@ -59,10 +62,8 @@ class TritonBackend:
     def __init__(self, config: ServiceConfig, adapters: dict[str, str]):
         tritonserver = import_backend_package("tritonserver", "tritonserver")
         section = config.triton
-        model_dir = resolve_model_dir(config.model)
-        model = read_model_config(model_dir)
-        self.limits = request_limits(config, model)
-        self.eos_ids = list(model.eos_token_ids)
+        self.served = ServedModel(config)
+        self.eos_ids = self.served.eos_ids
         self.max_lora_rank = config.max_lora_rank
         repository = section.model_repository or write_model_repository(config)
         self.server = tritonserver.Server(model_repository=str(repository),
@@ -71,9 +72,9 @@ class TritonBackend:
         self.server.start(wait_until_ready=True, timeout=section.start_timeout_s)
         self.model = self.server.load(section.model_name)
         self.adapters = AdapterTable()
-        for name, path in adapters.items():
-            adapter_arrays(path, self.max_lora_rank)  # a broken adapter stops start-up, with its reason
-            self.adapters.register(name, path)
+        self.lora_arrays: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # task id -> weights, read once
+        for name, path in adapters.items():  # read now: a broken adapter stops start-up, with its reason
+            self.lora_arrays[self.adapters.register(name, path)] = adapter_arrays(path, self.max_lora_rank)
         self.lora_sent: set[int] = set()  # task ids whose weights Triton was given
         self.in_flight = 0
 
@@ -84,6 +85,7 @@ class TritonBackend:
         """Our parameters as the tensorrt_llm model's input tensors."""
         if params.min_p:
             raise InvalidRequestError("min_p", "the triton backend's tensorrt_llm model has no min_p input")
+        end_id, extra_eos = self.served.end_ids(params)
         inputs = {
             "input_ids": np.array([prompt], dtype=np.int32),
             "input_lengths": scalar(len(prompt), np.int32),
@@ -106,32 +108,34 @@ class TritonBackend:
         }
         # No end_id input means no end token, which is what ignore_eos asks for.
         if not params.ignore_eos:
-            inputs["end_id"] = scalar(params.end_id if params.end_id is not None else self.eos_ids[0], np.int32)
+            inputs["end_id"] = scalar(end_id, np.int32)
         if params.seed is not None:
             inputs["seed"] = scalar(params.seed, np.uint64)
-        stops = self.stop_sequences(params)
+        stops = self.stop_sequences(params, extra_eos)
         if stops:
             inputs["stop_words_list"] = words_list(stops)
         if params.bad_token_ids:
             inputs["bad_words_list"] = words_list(params.bad_token_ids)
         return inputs
 
-    def stop_sequences(self, params: SamplingParams) -> list[list[int]]:
+    def stop_sequences(self, params: SamplingParams, extra_eos: list[int] | None = None) -> list[list[int]]:
         """Stop words, plus the model's other end ids (end_id takes one)."""
-        extra_eos = [] if params.ignore_eos or params.end_id is not None else [[e] for e in self.eos_ids[1:]]
-        return [list(s) for s in params.stop_token_ids] + extra_eos
+        extra = self.served.end_ids(params)[1] if extra_eos is None else extra_eos
+        return [list(s) for s in params.stop_token_ids] + [[e] for e in extra]
 
     def lora_inputs(self, adapter: AdapterRef, with_weights: bool) -> dict[str, np.ndarray]:
         task_id, path = self.adapters.resolve(adapter)
         inputs = {"lora_task_id": scalar(task_id, np.uint64)}
         if with_weights or task_id not in self.lora_sent:
-            weights, config = adapter_arrays(path, self.max_lora_rank)
+            if task_id not in self.lora_arrays:
+                self.lora_arrays[task_id] = adapter_arrays(path, self.max_lora_rank)
+            weights, config = self.lora_arrays[task_id]
             inputs["lora_weights"], inputs["lora_config"] = weights[None], config[None]
         return inputs
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        adapter: AdapterRef | None = None):
-        validate_request(prompt_token_ids, params, self.limits)
+        validate_request(prompt_token_ids, params, self.served.limits)
         inputs = self.inputs(prompt_token_ids, params)
         self.in_flight += 1
         try:
@@ -266,7 +270,7 @@ class _Stream:
         """Under max_tokens with an end id set means the end id ended it."""
         if generated >= self.params.max_tokens or self.params.ignore_eos:
             return "length", None
-        return "stop", self.params.end_id if self.params.end_id is not None else self.backend.eos_ids[0]
+        return "stop", self.backend.served.end_ids(self.params)[0]
 
     def _metrics(self, response) -> RequestMetrics:
         value = lambda name: int(_array(response, name).reshape(-1)[0])  # noqa: E731

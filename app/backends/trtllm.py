@@ -10,25 +10,14 @@ from __future__ import annotations
 import importlib
 from datetime import timedelta
 
-from app.backends.base import AdapterTable, StopWatcher, request_limits
+from app.backends.base import AdapterTable, ServedModel, StopWatcher, import_backend_package
 from app.config import ServiceConfig
 from app.engine.errors import BackendError, InvalidRequestError
-from app.engine.model_loader import read_model_config, resolve_model_dir
 from app.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from app.engine.sampling_params import SamplingParams, validate_request
 from app.protocol.messages import AdapterRef
 
-CONTAINER = "nvcr.io/nvidia/tritonserver:<xx.yy>-trtllm-python-py3"
 FINISH_REASONS = {"stop": "stop", "length": "length", "cancelled": "abort", "timeout": "abort"}
-
-
-def import_backend_package(module: str, pip_name: str) -> object:
-    """Import a production backend's package, or fail start-up with one sentence saying where it lives."""
-    try:
-        return importlib.import_module(module)
-    except ImportError as exc:
-        raise RuntimeError(f"backend needs the '{pip_name}' package ({exc.name} is not importable); run this "
-                           f"config in NVIDIA's {CONTAINER} container, or use backend: torch") from None
 
 
 def llm_kwargs(config: ServiceConfig, model_dir: str) -> dict:
@@ -68,12 +57,10 @@ class TrtllmBackend:
 
     def __init__(self, config: ServiceConfig, adapters: dict[str, str]):
         self.trtllm = import_backend_package("tensorrt_llm", "tensorrt_llm")
-        model_dir = resolve_model_dir(config.model)
-        model = read_model_config(model_dir)
-        self.limits = request_limits(config, model)
-        self.eos_ids = list(model.eos_token_ids)
+        self.served = ServedModel(config)
+        self.eos_ids = self.served.eos_ids
         self.lora_request_cls = importlib.import_module("tensorrt_llm.executor").LoRARequest
-        self.llm = self.trtllm.LLM(**llm_kwargs(config, str(model_dir)))
+        self.llm = self.trtllm.LLM(**llm_kwargs(config, str(self.served.dir)))
         self.adapters = AdapterTable()
         for name, path in adapters.items():  # TensorRT-LLM reads the weights from the path on first use
             self.adapters.register(name, path)
@@ -89,8 +76,7 @@ class TrtllmBackend:
         if any(len(s) > 1 for s in params.bad_token_ids):
             raise InvalidRequestError("bad_words", "the trtllm backend bans single tokens only; every bad word "
                                                    "must be one token")
-        end_id = params.end_id if params.end_id is not None else self.eos_ids[0]
-        extra_eos = [] if params.ignore_eos or params.end_id is not None else self.eos_ids[1:]
+        end_id, extra_eos = self.served.end_ids(params)
         beam = params.beam_width > 1
         # Greedy is top_k 1 to TensorRT-LLM (temperature 0 is refused by some of its versions).
         temperature, top_k = (None, 1) if params.greedy else (params.temperature, params.top_k or None)
@@ -116,7 +102,7 @@ class TrtllmBackend:
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        adapter: AdapterRef | None = None):
-        validate_request(prompt_token_ids, params, self.limits)
+        validate_request(prompt_token_ids, params, self.served.limits)
         sampling, lora = self.sampling_params(params), self.lora_request(adapter)
         try:
             result = self.llm.generate_async(prompt_token_ids, sampling_params=sampling, lora_request=lora,

@@ -72,6 +72,17 @@ class ServeSection(_Strict):
     detokenizer: StageSection = StageSection(num_cpus=0.25)
 
 
+class RoutingSection(_Strict):
+    """How requests pick an engine replica (with several). Adapter requests go to replicas that hold
+    their adapter first (Serve multiplexing); among those, with prefix affinity, to the replica that
+    last served the longest run of the prompt's leading KV blocks, so its cached blocks are reused."""
+
+    prefix_affinity: bool = True
+    max_imbalance: int = Field(8, ge=0, description="prefer the prefix's replica unless it has this many more "
+                                                    "requests in flight than the least loaded candidate")
+    max_tracked_blocks: int = Field(200_000, ge=1, description="prefix blocks remembered per router (LRU)")
+
+
 class TritonSection(_Strict):
     """backend: triton: Triton's in-process server running the TensorRT-LLM backend's tensorrt_llm model."""
 
@@ -128,6 +139,9 @@ class ServiceConfig(_Strict):
     cpu_threads: int | None = Field(None, ge=1, description="torch threads of a CPU engine; default: every core "
                                     "(Ray would otherwise give it one per reserved CPU)")
     serve: ServeSection = ServeSection()
+    routing: RoutingSection = RoutingSection()
+    check_placement: bool = Field(True, description="refuse to start when the cluster cannot hold one engine "
+                                  "replica's placement group; false on a cluster whose autoscaler adds nodes")
 
     @model_validator(mode="after")
     def _keys_together(self) -> ServiceConfig:
@@ -140,9 +154,9 @@ class ServiceConfig(_Strict):
         if self.max_output_len is not None and self.max_tokens_default > self.max_output_len:
             raise ValueError(f"max_tokens_default ({self.max_tokens_default}) exceeds max_output_len "
                              f"({self.max_output_len})")
-        if self.world_size > 1 and self.backend != "trtllm":
-            raise ValueError(f"tensor_parallel_size x pipeline_parallel_size = {self.world_size} needs backend trtllm; "
-                             f"backend {self.backend} runs one device per engine replica")
+        if self.world_size > 1 and self.backend == "triton":
+            raise ValueError(f"tensor_parallel_size x pipeline_parallel_size = {self.world_size} needs backend torch "
+                             "or trtllm; the triton backend's in-process server runs one device per replica")
         return self
 
     @property
@@ -150,19 +164,29 @@ class ServiceConfig(_Strict):
         return self.tensor_parallel_size * self.pipeline_parallel_size
 
     def engine_deployment_options(self) -> dict:
-        """The engine stage's Serve options. A replica on GPUs owns them: one GPU for a single-device
-        engine; for TP x PP a placement group of one GPU bundle per rank (bundle 0 also holds the
-        replica's CPU), in which TensorRT-LLM's Ray workers are placed. TP must stay on one node
-        (STRICT_PACK); pipeline stages may cross nodes (PACK)."""
+        """The engine stage's Serve options. A replica owns its devices: one GPU for a single-device
+        engine; for TP x PP a placement group of one bundle per rank (a GPU, or a CPU on a CPU
+        engine), bundle 0 also holding the replica's CPU. The torch backend's replica is rank 0 and
+        starts the other ranks in bundles 1..N-1; TensorRT-LLM's Ray orchestrator places all its
+        ranks itself. TP stays on one node (STRICT_PACK); pipeline stages may cross nodes (PACK)."""
         options = self.serve.engine.deployment_options()
-        if self.device == "cpu":
-            return options
+        actor = options["ray_actor_options"]
+        if self.routing.prefix_affinity:
+            options["request_router_config"] = {
+                "request_router_class": "deployments.routing:PrefixAffinityRouter",
+                "request_router_kwargs": {"block_size": self.kv_cache_config.tokens_per_block,
+                                          "max_imbalance": self.routing.max_imbalance,
+                                          "max_tracked_blocks": self.routing.max_tracked_blocks}}
+        on_gpu = self.device != "cpu"
         if self.world_size == 1:
-            options["ray_actor_options"]["num_gpus"] = 1
+            if on_gpu:
+                actor["num_gpus"] = 1
             return options
-        cpus = options["ray_actor_options"]["num_cpus"]
-        options["placement_group_bundles"] = [{"CPU": cpus, "GPU": 1}] + [{"GPU": 1}] * (self.world_size - 1)
+        device = {"GPU": 1} if on_gpu else {"CPU": 1}
+        options["placement_group_bundles"] = [{**device, "CPU": actor["num_cpus"]}] + [device] * (self.world_size - 1)
         options["placement_group_strategy"] = "PACK" if self.pipeline_parallel_size > 1 else "STRICT_PACK"
+        if on_gpu and self.backend == "torch":
+            actor["num_gpus"] = 1  # the replica itself is rank 0, on bundle 0's GPU
         return options
 
     @property
@@ -177,7 +201,8 @@ class ServiceConfig(_Strict):
             batching_type=self.batching_type, max_beam_width=self.max_beam_width,
             kv_cache_config=KvCacheConfig(**self.kv_cache_config.model_dump()), seed=self.seed,
             max_loras=self.max_loras, max_cpu_loras=self.max_cpu_loras, max_lora_rank=self.max_lora_rank,
-            max_input_len=self.max_input_len, max_output_len=self.max_output_len)
+            max_input_len=self.max_input_len, max_output_len=self.max_output_len,
+            tensor_parallel_size=self.tensor_parallel_size, pipeline_parallel_size=self.pipeline_parallel_size)
 
 
 def load_config(path: str | Path) -> ServiceConfig:

@@ -21,7 +21,11 @@ class EngineDeployment:
         # Adapters named in the config register at start, so a broken one stops start-up with its reason.
         policy = AdapterPolicy(config.lora_roots, config.lora_adapters)
         adapters = {name: policy.resolve(AdapterRef(name, None, "lora_adapters")).path for name in config.lora_adapters}
-        self.backend = create_backend(config, adapters)
+        launcher = None
+        if config.world_size > 1 and config.backend == "torch":
+            from deployments.workers import PlacementGroupLauncher
+            launcher = PlacementGroupLauncher(config.device)
+        self.backend = create_backend(config, adapters, launcher)
         self.pacer = StreamPacer(config.serve.engine.stream_interval_ms)
         self.metrics = EngineMetrics(config.name, self.backend.stats)
 
@@ -41,6 +45,11 @@ class EngineDeployment:
 
     def stats(self) -> dict:
         return self.backend.stats()
+
+    def __del__(self):  # Serve calls this when the replica stops (after draining): release the ranks
+        backend = getattr(self, "backend", None)
+        if backend is not None:
+            backend.shutdown()
 
     def check_health(self) -> None:
         if not self.backend.healthy:

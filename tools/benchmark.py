@@ -26,7 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
 
 from app.engine import EngineConfig, LLMEngine, SamplingParams
-from app.engine.model_runner import resolve_dtype
+from app.engine.worker import resolve_dtype
 from tools.bench.engine_runner import run_engine
 from tools.bench.report import table
 from tools.bench.workload import synthetic
@@ -67,7 +67,7 @@ def engine_command(args) -> dict:
         "machine": {"platform": platform.platform(), "processor": platform.processor(), "torch": torch.__version__,
                     "threads": torch.get_num_threads(),
                     "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"},
-        "model_dir": str(engine.model_dir), "dtype": str(engine.runner.dtype),
+        "model_dir": str(engine.model_dir), "dtype": str(engine.runner.shard.dtype),
         "results": [r.as_dict() for r in results],
     }
 

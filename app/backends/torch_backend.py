@@ -8,16 +8,17 @@ import torch
 from app.backends.base import AdapterTable, not_loaded
 from app.config import ServiceConfig
 from app.engine import AsyncLLMEngine, LLMEngine, SamplingParams
+from app.engine.executor import WorkerLauncher
 from app.protocol.messages import AdapterRef
 
 
 class TorchBackend:
     name = "torch"
 
-    def __init__(self, config: ServiceConfig, adapters: dict[str, str]):
-        if config.device == "cpu":
+    def __init__(self, config: ServiceConfig, adapters: dict[str, str], launcher: WorkerLauncher | None = None):
+        if config.device == "cpu" and config.world_size == 1:  # parallel ranks split the cores among them
             torch.set_num_threads(config.cpu_threads or os.cpu_count())
-        engine = LLMEngine(config.engine_config())
+        engine = LLMEngine(config.engine_config(), launcher)
         self.adapters = AdapterTable()
         for name, path in adapters.items():  # before the loop starts: a broken adapter stops start-up
             engine.add_lora(name, path)

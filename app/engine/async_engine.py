@@ -107,6 +107,8 @@ class AsyncLLMEngine:
     def shutdown(self) -> None:
         self._commands.put((Command.STOP, None))
         self._thread.join(timeout=30)
+        if not self._thread.is_alive():  # the loop thread is the only one that touches the engine
+            self.engine.shutdown()
 
     # -- the loop ----------------------------------------------------------------------------------
     def _run(self) -> None:

@@ -55,8 +55,12 @@ class BlockManager:
             hits.append(block)
         return hits
 
+    def cached_prefix_tokens(self, seq: Sequence) -> int:
+        return len(self._prefix_hits(seq)) * self.block_size
+
     def blocks_needed_to_admit(self, seq: Sequence, num_tokens: int) -> int:
-        """Fresh blocks needed to hold num_tokens of a waiting sequence, after prefix reuse."""
+        """Free blocks a waiting sequence consumes to hold its first num_tokens (counted from
+        position 0, cached prefix included): fresh ones plus cached hits now in the free list."""
         hits = self._prefix_hits(seq)
         # A hit sitting in the free list is counted as free, so taking it costs a free block too.
         hits_in_use = sum(1 for b in hits if self.ref_counts[b] > 0)

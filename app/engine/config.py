@@ -62,6 +62,9 @@ class EngineConfig:
     load_format: str = "auto"  # "dummy": random weights from config.json alone (speed runs without downloads)
     max_input_len: int | None = None  # longest prompt accepted (tokens); default: max_seq_len - 1
     max_output_len: int | None = None  # largest max_tokens accepted; default: what max_seq_len leaves
+    # Ranks = tp x pp: rank 0 is the engine's own process, the others are started by a WorkerLauncher.
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
 
     def __post_init__(self):
         if isinstance(self.kv_cache_config, dict):
@@ -69,7 +72,7 @@ class EngineConfig:
         self.scheduler_policy = SchedulerPolicy(self.scheduler_policy)
         self.batching_type = BatchingType(self.batching_type)
         for name in ("max_batch_size", "max_num_tokens", "max_beam_width", "max_loras", "max_cpu_loras",
-                     "max_lora_rank"):
+                     "max_lora_rank", "tensor_parallel_size", "pipeline_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.load_format not in ("auto", "dummy"):

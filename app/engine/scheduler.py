@@ -170,7 +170,7 @@ class Scheduler:
             if len(self.running) + width > self.limits.max_batch_size:
                 break
             n = self._tokens_for(seq, budget)
-            if n == 0 or not self._can_admit(seq, n) or not self._adapter_fits(seq):
+            if n == 0 or not self._can_admit(seq, budget) or not self._adapter_fits(seq):
                 break  # first come, first served: no overtaking
             self.waiting.popleft()
             self.blocks.allocate_cached_prefix(seq)
@@ -187,11 +187,13 @@ class Scheduler:
         active = {s.adapter_id for s in self.running if s.adapter_id is not None}
         return seq.adapter_id in active or len(active) < self.limits.max_loras
 
-    def _can_admit(self, seq: Sequence, num_tokens: int) -> bool:
+    def _can_admit(self, seq: Sequence, budget: int) -> bool:
         guaranteed = (self.limits.policy is SchedulerPolicy.GUARANTEED_NO_EVICT
                       or seq.params.beam_width > 1 or self.limits.batching is BatchingType.STATIC)
-        if not guaranteed:
-            return self.blocks.blocks_needed_to_admit(seq, num_tokens) <= self.blocks.num_free_blocks
+        if not guaranteed:  # room for the first chunk, which starts after the cached prefix
+            cached = self.blocks.cached_prefix_tokens(seq)
+            first_chunk = min(seq.num_tokens - cached, budget)
+            return self.blocks.blocks_needed_to_admit(seq, cached + first_chunk) <= self.blocks.num_free_blocks
         need = self.blocks.blocks_needed_to_admit(seq, seq.max_total_tokens) * seq.params.beam_width
         return need <= self.blocks.num_free_blocks - self._reservation()
 

@@ -45,7 +45,8 @@ def test_unreadable_file(tmp_path):
 @pytest.mark.parametrize("data, says", [
     ({"cuda_graph_config": {"max_batch_size": 8}}, "cuda_graph_config is read by backend trtllm only"),
     ({"backend": "triton"}, "backend triton needs a 'triton' section with engine_dir"),
-    ({"tensor_parallel_size": 2}, "= 2 needs backend trtllm; backend torch runs one device per engine replica"),
+    ({"backend": "triton", "triton": {"engine_dir": "/e"}, "tensor_parallel_size": 2},
+     "= 2 needs backend torch or trtllm"),
 ])
 def test_backend_keys_are_checked_together(data, says):
     with pytest.raises(ConfigError, match=says):
@@ -62,3 +63,19 @@ def test_engine_replicas_own_their_gpus():
     pp = parse_config({"device": "cuda", "backend": "trtllm", "tensor_parallel_size": 2,
                        "pipeline_parallel_size": 2}).engine_deployment_options()
     assert len(pp["placement_group_bundles"]) == 4 and pp["placement_group_strategy"] == "PACK"
+    # The torch backend's replica is rank 0: it takes bundle 0's GPU and starts the other ranks.
+    torch_tp = parse_config({"device": "cuda", "tensor_parallel_size": 2}).engine_deployment_options()
+    assert torch_tp["ray_actor_options"]["num_gpus"] == 1
+    assert torch_tp["placement_group_bundles"] == [{"CPU": 1.0, "GPU": 1}, {"GPU": 1}]
+    # A CPU engine's ranks are CPU bundles, still one node for TP.
+    cpu_tp = parse_config({"tensor_parallel_size": 2}).engine_deployment_options()
+    assert cpu_tp["placement_group_bundles"] == [{"CPU": 1.0}, {"CPU": 1}]
+    assert cpu_tp["placement_group_strategy"] == "STRICT_PACK"
+
+
+def test_engine_routing_is_prefix_aware_by_default():
+    router = parse_config({"kv_cache_config": {"tokens_per_block": 16}}).engine_deployment_options()
+    assert router["request_router_config"]["request_router_class"] == "deployments.routing:PrefixAffinityRouter"
+    assert router["request_router_config"]["request_router_kwargs"]["block_size"] == 16
+    plain = parse_config({"routing": {"prefix_affinity": False}}).engine_deployment_options()
+    assert "request_router_config" not in plain

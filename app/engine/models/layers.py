@@ -12,12 +12,25 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from app.engine.parallel import SINGLE, TensorParallel
+
 
 class MergedLinear(nn.Module):
-    """One matmul for several projections of the same input, e.g. q, k, v."""
+    """One matmul for several projections of the same input, e.g. q, k, v.
 
-    def __init__(self, in_features: int, out_sizes: list[int], bias: bool, dtype: torch.dtype):
+    Under tensor parallelism a "column" linear keeps this rank's slice of every projection's
+    outputs (no communication); a "row" linear keeps a slice of the inputs and all-reduces its
+    partial outputs, so a column linear followed by a row linear costs one all-reduce.
+    """
+
+    def __init__(self, in_features: int, out_sizes: list[int], bias: bool, dtype: torch.dtype,
+                 tp: TensorParallel = SINGLE, parallel: str | None = None):
         super().__init__()
+        self.tp, self.parallel = tp, parallel
+        if parallel == "column":
+            out_sizes = [size // tp.size for size in out_sizes]
+        elif parallel == "row":
+            in_features //= tp.size
         self.out_sizes = out_sizes
         self.weight = nn.Parameter(torch.empty(sum(out_sizes), in_features, dtype=dtype), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(sum(out_sizes), dtype=dtype), requires_grad=False) if bias else None
@@ -26,6 +39,11 @@ class MergedLinear(nn.Module):
         self.lora_key: tuple[int, str] | None = None  # (layer, path): where adapters attach
 
     def load_shard(self, name: str, tensor: torch.Tensor, shard: int) -> None:
+        """Copy one HF tensor (whole, unsharded) into its place; this rank keeps its slice."""
+        if self.tp.size > 1 and self.parallel == "column":
+            tensor = tensor.chunk(self.tp.size, dim=0)[self.tp.rank]
+        elif self.tp.size > 1 and self.parallel == "row" and name == "weight":
+            tensor = tensor.chunk(self.tp.size, dim=1)[self.tp.rank]
         start = sum(self.out_sizes[:shard])
         getattr(self, name)[start:start + self.out_sizes[shard]].copy_(tensor)
 
@@ -35,11 +53,19 @@ class MergedLinear(nn.Module):
         self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, 64)
 
     def forward(self, x: torch.Tensor, lora=None) -> torch.Tensor:
+        # A row linear's bias is added once, after the partial sums are reduced.
+        bias = None if self.parallel == "row" and self.tp.size > 1 else self.bias
         if self.packed is not None:
-            y = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+            y = torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
         else:
-            y = F.linear(x, self.weight, self.bias)
-        return y if lora is None else lora.apply(x, y, self.lora_key, self.offsets)
+            y = F.linear(x, self.weight, bias)
+        if lora is not None:  # before the reduce: a row linear's adapter input is sliced too
+            y = lora.apply(x, y, self.lora_key, self.offsets)
+        if self.parallel == "row" and self.tp.size > 1:
+            y = self.tp.all_reduce(y)
+            if self.bias is not None:
+                y = y + self.bias
+        return y
 
 
 def cpu_packing_available(dtype: torch.dtype, device: torch.device) -> bool:
@@ -48,8 +74,9 @@ def cpu_packing_available(dtype: torch.dtype, device: torch.device) -> bool:
 
 
 class Linear(MergedLinear):
-    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype):
-        super().__init__(in_features, [out_features], bias, dtype)
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
+                 tp: TensorParallel = SINGLE, parallel: str | None = None):
+        super().__init__(in_features, [out_features], bias, dtype, tp, parallel)
 
 
 class RMSNorm(nn.Module):

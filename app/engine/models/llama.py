@@ -10,6 +10,7 @@ from torch import nn
 from app.engine.models.attention import AttentionMetadata, paged_attention
 from app.engine.models.layers import (Linear, MergedLinear, RMSNorm, RotaryEmbedding, apply_rotary,
                                       cpu_packing_available)
+from app.engine.parallel import SINGLE, ParallelLayout, TensorParallel
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
@@ -66,13 +67,16 @@ class ModelConfig:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
+    """Under tensor parallelism each rank holds num_heads / tp query heads and their KV heads."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, tp: TensorParallel):
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.num_heads, self.num_kv_heads = cfg.num_heads // tp.size, cfg.num_kv_heads // tp.size
+        self.head_dim = cfg.head_dim
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        self.qkv_proj = MergedLinear(cfg.hidden_size, [q_size, kv_size, kv_size], cfg.qkv_bias, dtype)
-        self.o_proj = Linear(q_size, cfg.hidden_size, False, dtype)
-        self.split = (q_size, kv_size, kv_size)
+        self.qkv_proj = MergedLinear(cfg.hidden_size, [q_size, kv_size, kv_size], cfg.qkv_bias, dtype, tp, "column")
+        self.o_proj = Linear(q_size, cfg.hidden_size, False, dtype, tp, "row")
+        self.split = (q_size // tp.size, kv_size // tp.size, kv_size // tp.size)
         self.scale = cfg.head_dim ** -0.5
 
     def forward(self, x, rope, kv_cache, meta: AttentionMetadata, lora):
@@ -84,10 +88,10 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, tp: TensorParallel):
         super().__init__()
-        self.gate_up_proj = MergedLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, False, dtype)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, False, dtype)
+        self.gate_up_proj = MergedLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, False, dtype, tp, "column")
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, False, dtype, tp, "row")
 
     def forward(self, x, lora):
         gate, up = self.gate_up_proj(x, lora).chunk(2, dim=-1)
@@ -95,12 +99,12 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, tp: TensorParallel):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.self_attn = Attention(cfg, dtype)
+        self.self_attn = Attention(cfg, dtype, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.mlp = MLP(cfg, dtype)
+        self.mlp = MLP(cfg, dtype, tp)
 
     def forward(self, x, rope, kv_cache, meta, lora):
         x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta, lora)
@@ -108,53 +112,87 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    """The whole model, or one rank's part of it: a pipeline stage holds its own decoder layers
+    (the first stage the embedding, the last the final norm and lm_head), and under tensor
+    parallelism each layer holds its slice of heads and MLP columns."""
+
     # HF tensor name -> (our parameter path, shard index within a merged linear)
     PACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
               "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
-    def __init__(self, cfg: ModelConfig, max_positions: int, dtype: torch.dtype):
+    def __init__(self, cfg: ModelConfig, max_positions: int, dtype: torch.dtype,
+                 layout: ParallelLayout = ParallelLayout(), tp: TensorParallel = SINGLE):
         super().__init__()
+        layout.check_model(cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size, cfg.num_layers)
         self.config = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
-        self.embed_tokens.weight.requires_grad_(False)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype) for _ in range(cfg.num_layers))
-        for index, layer in enumerate(self.layers):
+        self.is_first, self.is_last = layout.is_first_stage, layout.is_last_stage
+        self.layer_ids = layout.stage_layers(cfg.num_layers)  # global indices of this stage's layers
+        if self.is_first:
+            self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+            self.embed_tokens.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, tp) for _ in self.layer_ids)
+        for index, layer in zip(self.layer_ids, self.layers):
             for path, module in layer.named_modules():
                 if isinstance(module, MergedLinear):
                     module.lora_key = (index, path)
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, False, dtype)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
+        if self.is_last:
+            self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, False, dtype)
+            if cfg.tie_word_embeddings and self.is_first:
+                self.lm_head.weight = self.embed_tokens.weight
 
     def finish_loading(self) -> None:
         """Weights are in place: prepare the device-specific layouts."""
-        if cpu_packing_available(self.embed_tokens.weight.dtype, self.embed_tokens.weight.device):
+        weight = next(self.parameters())
+        if cpu_packing_available(weight.dtype, weight.device):
             for module in self.modules():
                 if isinstance(module, MergedLinear):
                     module.pack_for_cpu()
 
-    def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata, logits_indices, lora=None):
-        """Logits for the rows in logits_indices; `lora` (a LoRABatch) adapts the rows it names."""
-        x = self.embed_tokens(input_ids)
+    def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata, logits_indices, lora=None,
+                hidden=None):
+        """Logits for the rows in logits_indices (last stage), else the hidden states for the next
+        stage, which arrive as `hidden` there. `lora` (a LoRABatch) adapts the rows it names."""
+        x = self.embed_tokens(input_ids) if hidden is None else hidden
         rope = self.rotary.table(positions, x.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches):
             x = layer(x, rope, kv_cache, meta, lora)
+        if not self.is_last:
+            return x
         return self.lm_head(self.norm(x[logits_indices])).float()
 
-    def load_hf_tensor(self, name: str, tensor: torch.Tensor) -> bool:
-        """Copy one HF checkpoint tensor into place; False for names we do not use."""
+    def hf_target(self, name: str):
+        """(module, parameter name, shard) that HF checkpoint tensor `name` loads into, or None for
+        names this rank does not hold (another stage's layers, rotary buffers, a tied head)."""
         name = name.removeprefix("model.")
-        if name.startswith("lm_head.") and self.config.tie_word_embeddings:
-            return False
         if "rotary_emb" in name:
-            return False
+            return None
+        if name == "embed_tokens.weight" and self.is_last and not self.is_first and self.config.tie_word_embeddings:
+            name = "lm_head.weight"  # a last stage without the embedding still needs its tied head
+        elif name.startswith("lm_head.") and self.config.tie_word_embeddings:
+            return None
         parts = name.split(".")
+        if parts[0] == "layers":
+            index = int(parts[1])
+            if index not in self.layer_ids:
+                return None
+            parts[1] = str(index - self.layer_ids.start)
+        elif not hasattr(self, parts[0]):  # embedding, norm or head of another stage
+            return None
+        shard = 0
         if len(parts) >= 4 and parts[-2] in self.PACKED:
-            target, shard = self.PACKED[parts[-2]]
-            module = self.get_submodule(".".join(parts[:-2] + [target]))
-            module.load_shard(parts[-1], tensor, shard)
-            return True
-        self.get_parameter(name).copy_(tensor)
+            parts[-2], shard = self.PACKED[parts[-2]]
+        return self.get_submodule(".".join(parts[:-1])), parts[-1], shard
+
+    def load_hf_tensor(self, name: str, tensor: torch.Tensor) -> bool:
+        """Copy one HF checkpoint tensor (unsharded) into place; False for names this rank does not hold."""
+        target = self.hf_target(name)
+        if target is None:
+            return False
+        module, param, shard = target
+        if isinstance(module, MergedLinear):
+            module.load_shard(param, tensor, shard)
+        else:
+            getattr(module, param).copy_(tensor)
         return True

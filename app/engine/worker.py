@@ -1,0 +1,170 @@
+"""One rank's share of the model: its weights, KV cache, LoRA cache and CUDA graphs, and the forward
+pass of a step (StepInputs, prepared by rank 0). Ranks other than 0 run `worker_main`.
+
+Without parallelism the engine's process holds the only shard. With tensor x pipeline parallelism
+every rank holds one; rank 0 broadcasts each step's inputs, every rank runs its layers, pipeline
+stages hand hidden states on, and the last stage sends the logits back to rank 0, which samples.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from app.engine.config import EngineConfig
+from app.engine.cuda_graphs import DecodeGraphs
+from app.engine.lora import LoRACache
+from app.engine.model_loader import load_model
+from app.engine.models.attention import AttentionMetadata, PrefillChunk
+from app.engine.parallel import SINGLE, Distributed, ParallelLayout
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+
+
+@dataclass
+class StepInputs:
+    """One (micro-)batch of a step, on the host: decode tokens first, then prefill chunks."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    slots: torch.Tensor  # cache slot each token writes
+    num_decodes: int
+    decode_tables: torch.Tensor | None  # [num_decodes, max_blocks] int32
+    decode_lens: torch.Tensor | None  # [num_decodes] int32 context lengths
+    prefills: list[tuple[int, int, int, list[int]]]  # (start, num_tokens, context_len, block table)
+    logits_indices: torch.Tensor  # rows that sample
+    lora_rows: dict[str, list[int]] = field(default_factory=dict)
+
+
+class ModelShard:
+    def __init__(self, config: EngineConfig, model_dir: Path, max_seq_len: int, device: torch.device,
+                 dist: Distributed | None = None):
+        self.device, self.dist = device, dist
+        self.layout = dist.layout if dist else ParallelLayout()
+        tp = dist.tp if dist else SINGLE
+        self.dtype = resolve_dtype(config.dtype, device)
+        self.model = load_model(model_dir, self.dtype, device, max_seq_len, config.load_format, self.layout, tp)
+        self.block_size = config.kv_cache_config.tokens_per_block
+        num_blocks = self._count_blocks(config, max_seq_len)
+        self.num_blocks = dist.min_int(num_blocks) if dist else num_blocks  # every rank the same pool
+        cfg = self.model.config
+        # One block more than the pool hands out: the scratch block padded graph rows write to.
+        self.kv_cache = torch.zeros(len(self.model.layers), 2, self.num_blocks + 1, self.block_size,
+                                    cfg.num_kv_heads // self.layout.tp_size, cfg.head_dim, dtype=self.dtype,
+                                    device=device)
+        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        shapes = {"q_proj": (cfg.hidden_size, q), "k_proj": (cfg.hidden_size, kv), "v_proj": (cfg.hidden_size, kv),
+                  "o_proj": (q, cfg.hidden_size), "gate_proj": (cfg.hidden_size, cfg.intermediate_size),
+                  "up_proj": (cfg.hidden_size, cfg.intermediate_size),
+                  "down_proj": (cfg.intermediate_size, cfg.hidden_size)}
+        self.loras = LoRACache(config.max_loras, config.max_cpu_loras, config.max_lora_rank, device, self.dtype,
+                               shapes, self.layout.tp_size, self.layout.tp_rank)
+        self.graphs = None
+        # Pipeline stages pass activations between graphs; only single-stage decode is captured.
+        if device.type == "cuda" and config.cuda_graphs and self.layout.pp_size == 1:
+            self.graphs = DecodeGraphs(self.model, list(self.kv_cache.unbind(0)), config.max_batch_size,
+                                       -(-max_seq_len // self.block_size), self.num_blocks, self.block_size, device)
+
+    def _count_blocks(self, config: EngineConfig, max_seq_len: int) -> int:
+        kv = config.kv_cache_config
+        if kv.max_tokens is not None:
+            return -(-kv.max_tokens // self.block_size)
+        cfg = self.model.config
+        bytes_per_token = (2 * len(self.model.layers) * cfg.num_kv_heads // self.layout.tp_size * cfg.head_dim
+                           * self.dtype.itemsize)
+        if self.device.type == "cuda":
+            free = torch.cuda.mem_get_info(self.device)[0]
+            tokens = int(free * kv.free_gpu_memory_fraction) // bytes_per_token
+        else:  # no card to fill: a fraction of free RAM, but never more than a full batch can use
+            free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // self.layout.world_size
+            tokens = min(int(free * kv.free_gpu_memory_fraction) // bytes_per_token,
+                         config.max_batch_size * max_seq_len)
+        return max(1, tokens // self.block_size)
+
+    @property
+    def returns_logits(self) -> bool:
+        return self.layout.rank == 0
+
+    @torch.inference_mode()
+    def execute(self, block_copies: list[tuple[int, int]], batches: list[StepInputs]) -> torch.Tensor | None:
+        """Run the step's micro-batches through this rank's layers; rank 0 gets the logits
+        [sampling rows, vocab], in batch order, every other rank None."""
+        for src, dst in block_copies:
+            self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
+        if self.layout.pp_size == 1:
+            logits = self._forward(batches[0])
+            return logits if self.returns_logits else None
+        return self._pipeline(batches)
+
+    def _forward(self, batch: StepInputs, hidden: torch.Tensor | None = None) -> torch.Tensor:
+        input_ids, positions, meta, logits_indices = self._to_device(batch)
+        decode_only = meta.num_decodes == len(input_ids) == len(logits_indices) and not batch.lora_rows
+        if self.graphs is not None and decode_only and len(input_ids) <= self.graphs.max_batch_size:
+            return self.graphs.run(input_ids, positions, meta)
+        kv_caches = list(self.kv_cache.unbind(0))
+        return self.model(input_ids, positions, kv_caches, meta, logits_indices,
+                          self.loras.batch(batch.lora_rows, len(input_ids)), hidden)
+
+    def _pipeline(self, batches: list[StepInputs]) -> torch.Tensor | None:
+        """Micro-batches flow stage to stage: while stage s runs batch i, stage s - 1 runs batch i + 1."""
+        dist, cfg = self.dist, self.model.config
+        pending, logits = [], []
+        for batch in batches:
+            hidden = None
+            if not self.layout.is_first_stage:
+                hidden = dist.recv_prev_stage((len(batch.input_ids), cfg.hidden_size), self.dtype)
+            out = self._forward(batch, hidden)
+            if not self.layout.is_last_stage:
+                pending.append(dist.send_next_stage(out))
+            elif self.returns_logits:
+                logits.append(out)
+            elif self.layout.tp_rank == 0:
+                pending.append(dist.send_to_driver(out))
+        if self.returns_logits and not self.layout.is_last_stage:
+            logits = [dist.recv_from_last_stage((len(b.logits_indices), cfg.vocab_size), torch.float32)
+                      for b in batches]
+        for work in pending:
+            work.wait()
+        return torch.cat(logits) if self.returns_logits else None
+
+    def _to_device(self, batch: StepInputs):
+        dev, bs = self.device, self.block_size
+        decode_mask = decode_lens = decode_tables = None
+        if batch.num_decodes:
+            decode_tables = batch.decode_tables.to(dev)
+            if dev.type == "cuda":  # the Triton kernel takes lengths, no mask
+                decode_lens = batch.decode_lens.to(dev, non_blocking=True)
+            else:
+                width = batch.decode_tables.shape[1] * bs
+                decode_mask = (torch.arange(width)[None, :] < batch.decode_lens[:, None])[:, None, None, :]
+        chunks = [PrefillChunk(start, n, context, torch.tensor(table, device=dev))
+                  for start, n, context, table in batch.prefills]
+        meta = AttentionMetadata(batch.slots.to(dev), batch.num_decodes, decode_tables, decode_mask, chunks,
+                                 decode_lens)
+        return batch.input_ids.to(dev), batch.positions.to(dev), meta, batch.logits_indices.to(dev)
+
+
+def worker_main(config: EngineConfig, model_dir: str, max_seq_len: int, layout: ParallelLayout, init_method: str,
+                device: str, cpu_threads: int) -> None:
+    """A rank other than 0: build its shard, then run what rank 0 broadcasts until told to stop."""
+    if device == "cpu":
+        torch.set_num_threads(cpu_threads)
+    dist = Distributed(layout, init_method, torch.device(device))
+    try:
+        shard = ModelShard(config, Path(model_dir), max_seq_len, torch.device(device), dist)
+        while True:
+            command, *args = dist.broadcast()
+            if command == "step":
+                shard.execute(*args)
+            elif command == "add_lora":
+                shard.loras.add(*args)
+            elif command == "stop":
+                return
+    finally:
+        dist.close()

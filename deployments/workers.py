@@ -1,0 +1,46 @@
+"""The other ranks of a tensor/pipeline-parallel torch engine, as Ray actors in the engine
+replica's placement group: rank r in bundle r (the replica itself is rank 0, in bundle 0)."""
+from __future__ import annotations
+
+import ray
+from ray.util.placement_group import get_current_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from app.engine.executor import free_port
+from app.engine.worker import worker_main
+
+
+@ray.remote
+class EngineRank:
+    def run(self, kwargs: dict) -> None:
+        worker_main(**kwargs)
+
+
+class PlacementGroupLauncher:
+    def __init__(self, device: str):
+        self.placement_group = get_current_placement_group()
+        if self.placement_group is None:
+            raise RuntimeError("a parallel engine replica must run in its placement group "
+                               "(engine_deployment_options sets placement_group_bundles)")
+        self.on_gpu = device != "cpu"
+        self.actors, self.runs = [], []
+
+    def rendezvous(self) -> str:
+        host = ray.util.get_node_ip_address()
+        return f"tcp://{host}:{free_port(host)}"
+
+    def device(self, rank: int, device: str) -> str:
+        return "cuda:0" if self.on_gpu else device  # Ray shows each rank only its own GPU
+
+    def start(self, rank: int, kwargs: dict) -> None:
+        strategy = PlacementGroupSchedulingStrategy(self.placement_group, placement_group_bundle_index=rank)
+        resources = {"num_gpus": 1, "num_cpus": 0} if self.on_gpu else {"num_cpus": 1}
+        actor = EngineRank.options(scheduling_strategy=strategy, name=None, **resources).remote()
+        self.actors.append(actor)
+        self.runs.append(actor.run.remote(kwargs))
+
+    def stop(self) -> None:
+        ray.wait(self.runs, num_returns=len(self.runs), timeout=10)
+        for actor in self.actors:
+            ray.kill(actor)
+        self.actors, self.runs = [], []

@@ -35,6 +35,8 @@ class AutoscalingSection(_Strict):
     target_ongoing_requests: float = Field(16, gt=0)
     upscale_delay_s: float = Field(5.0, ge=0)
     downscale_delay_s: float = Field(30.0, ge=0)
+    look_back_period_s: float = Field(30.0, gt=0, description="window the ongoing-request average is taken over")
+    metrics_interval_s: float = Field(10.0, gt=0, description="how often replicas report their load")
 
 
 class StageSection(_Strict):

@@ -21,11 +21,11 @@ class EngineDeployment:
         # Adapters named in the config register at start, so a broken one stops start-up with its reason.
         policy = AdapterPolicy(config.lora_roots, config.lora_adapters)
         adapters = {name: policy.resolve(AdapterRef(name, None, "lora_adapters")).path for name in config.lora_adapters}
-        launcher = None
+        self.launcher = None
         if config.world_size > 1 and config.backend == "torch":
             from deployments.workers import PlacementGroupLauncher
-            launcher = PlacementGroupLauncher(config.device)
-        self.backend = create_backend(config, adapters, launcher)
+            self.launcher = PlacementGroupLauncher(config.device)
+        self.backend = create_backend(config, adapters, self.launcher)
         self.pacer = StreamPacer(config.serve.engine.stream_interval_ms)
         self.metrics = EngineMetrics(config.name, self.backend.stats)
 
@@ -45,6 +45,11 @@ class EngineDeployment:
 
     def stats(self) -> dict:
         return self.backend.stats()
+
+    def placement(self) -> list[dict]:
+        """Rank 0 (this replica) and the other ranks: placement group and node of each."""
+        from deployments.workers import placement_of_this_process
+        return [placement_of_this_process()] + (self.launcher.placements() if self.launcher else [])
 
     def __del__(self):  # Serve calls this when the replica stops (after draining): release the ranks
         backend = getattr(self, "backend", None)

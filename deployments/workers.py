@@ -10,10 +10,19 @@ from app.engine.executor import free_port
 from app.engine.worker import worker_main
 
 
-@ray.remote
+@ray.remote(max_concurrency=2)  # `run` holds one thread for the rank's life; `placement` answers beside it
 class EngineRank:
     def run(self, kwargs: dict) -> None:
         worker_main(**kwargs)
+
+    def placement(self) -> dict:
+        return placement_of_this_process()
+
+
+def placement_of_this_process() -> dict:
+    context = ray.get_runtime_context()
+    group = context.get_placement_group_id()
+    return {"placement_group": group, "node": context.get_node_id()}
 
 
 class PlacementGroupLauncher:
@@ -38,6 +47,10 @@ class PlacementGroupLauncher:
         actor = EngineRank.options(scheduling_strategy=strategy, name=None, **resources).remote()
         self.actors.append(actor)
         self.runs.append(actor.run.remote(kwargs))
+
+    def placements(self) -> list[dict]:
+        """Where ranks 1..N-1 run (placement group and node id of each), for operators and tests."""
+        return ray.get([actor.placement.remote() for actor in self.actors])
 
     def stop(self) -> None:
         ray.wait(self.runs, num_returns=len(self.runs), timeout=10)

@@ -30,6 +30,27 @@ def tiny_llama_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_chat_llama_dir(tmp_path_factory, smollm2_dir) -> Path:
+    """A 4-layer random Llama over SmolLM2's vocabulary and tokenizer: a model that serves text and
+    splits two ways in both dimensions (SmolLM2's 9 heads and 3 KV heads do not halve)."""
+    import shutil
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                         initializer_range=0.2, bos_token_id=1, eos_token_id=2, pad_token_id=2,
+                         tie_word_embeddings=False)
+    path = tmp_path_factory.mktemp("tiny-chat-llama")
+    LlamaForCausalLM(config).save_pretrained(path)
+    for file in smollm2_dir.iterdir():
+        if file.name.startswith(("tokenizer", "special_tokens", "chat_template")):
+            shutil.copy(file, path / file.name)
+    return path
+
+
+@pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
     return resolve_model_dir("smollm2-135m")
 

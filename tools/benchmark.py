@@ -38,7 +38,8 @@ def engine_command(args) -> dict:
                           max_num_tokens=args.max_num_tokens, scheduler_policy=args.policy,
                           batching_type=args.batching, enable_chunked_prefill=not args.no_chunked_prefill,
                           kv_cache_config={"max_tokens": args.kv_tokens, "tokens_per_block": args.block_size,
-                                           "enable_block_reuse": not args.no_reuse})
+                                           "enable_block_reuse": not args.no_reuse},
+                          tensor_parallel_size=args.tp, pipeline_parallel_size=args.pp)
     config.max_loras = max(config.max_loras, args.adapters)
     engine = LLMEngine(config)
     wl = synthetic(args.num_requests, args.input_len, args.output_len, engine.limits.vocab_size, args.seed,
@@ -61,7 +62,8 @@ def engine_command(args) -> dict:
                         dummy=args.load_format == "dummy")
         results.append(run_sequential(model, wl, min(args.hf_sequential_requests, wl.num_requests)))
         results.append(run_static_batches(model, wl))
-    print(table(results, baseline=results[-1].name if len(results) > 1 else None))
+    print(table(results, baseline=results[-1].name if len(results) > 1 else None), flush=True)
+    engine.shutdown()
     return {
         "command": "engine", "args": vars(args), "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "machine": {"platform": platform.platform(), "processor": platform.processor(), "torch": torch.__version__,
@@ -132,6 +134,8 @@ def main(argv=None) -> None:
     e.add_argument("--output-len", type=int, default=64)
     e.add_argument("--ignore-eos", action="store_true")
     e.add_argument("--seed", type=int, default=0)
+    e.add_argument("--tp", type=int, default=1, help="tensor_parallel_size (ranks as local processes)")
+    e.add_argument("--pp", type=int, default=1, help="pipeline_parallel_size")
     e.add_argument("--max-batch-size", type=int, default=EngineConfig.max_batch_size)
     e.add_argument("--max-num-tokens", type=int, default=EngineConfig.max_num_tokens)
     e.add_argument("--kv-tokens", type=int, default=65536)

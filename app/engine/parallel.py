@@ -126,5 +126,7 @@ class Distributed:
         return x
 
     def close(self) -> None:
-        if dist.is_initialized():
+        # NCCL's destroy and abort both hung on H200s once CUDA graphs had captured its kernels:
+        # on a GPU the group ends with the process (a parallel GPU engine is one per process).
+        if dist.is_initialized() and self.device.type != "cuda":
             dist.destroy_process_group()

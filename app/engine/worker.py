@@ -7,7 +7,9 @@ stages hand hidden states on, and the last stage sends the logits back to rank 0
 """
 from __future__ import annotations
 
+import faulthandler
 import os
+import signal
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -153,6 +155,7 @@ class ModelShard:
 def worker_main(config: EngineConfig, model_dir: str, max_seq_len: int, layout: ParallelLayout, init_method: str,
                 device: str, cpu_threads: int) -> None:
     """A rank other than 0: build its shard, then run what rank 0 broadcasts until told to stop."""
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>` prints where a rank waits
     if device == "cpu":
         torch.set_num_threads(cpu_threads)
     dist = Distributed(layout, init_method, torch.device(device))

@@ -24,6 +24,23 @@ def test_greedy_tokens_equal_transformers_in_float32(tiny_llama_dir):
         assert out.outputs[0].token_ids == hf_greedy(hf, prompt, 24)
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_tensor_parallel_on_two_gpus_equals_one(tiny_llama_dir):
+    """TP=2 over NCCL (ranks as local processes, decode from CUDA graphs with the all-reduce inside):
+    the same greedy tokens as one GPU, logprobs equal within float32 reduction-order noise."""
+    prompts = random_prompts(8, 3, 40, 256, seed=5)
+    params = SamplingParams(max_tokens=24, temperature=0.0, logprobs=True)
+    one = _engine(tiny_llama_dir, "float32").generate(prompts, params)
+    two_engine = LLMEngine(EngineConfig(model=str(tiny_llama_dir), device="cuda", dtype="float32",
+                                        tensor_parallel_size=2,
+                                        kv_cache_config={"max_tokens": 8192, "tokens_per_block": 16}))
+    two = two_engine.generate(prompts, params)
+    two_engine.shutdown()
+    for a, b in zip(one, two):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].logprobs == pytest.approx(b.outputs[0].logprobs, abs=1e-3)
+
+
 def test_logprobs_within_bfloat16_tolerance(tiny_llama_dir):
     from transformers import AutoModelForCausalLM
 

@@ -99,7 +99,7 @@ def _stream(url: str, max_tokens: int, results: list) -> None:
 def test_load_scales_the_engine_up_and_back_down_without_cutting_a_stream(autoscaling_server):
     assert _engine_replicas("auto") == 1
     results: list = []
-    load = [threading.Thread(target=_stream, args=(autoscaling_server, 160, results)) for _ in range(6)]
+    load = [threading.Thread(target=_stream, args=(autoscaling_server, 128, results)) for _ in range(4)]
     for t in load:
         t.start()
     deadline = time.monotonic() + 120
@@ -110,7 +110,7 @@ def test_load_scales_the_engine_up_and_back_down_without_cutting_a_stream(autosc
         t.join()
     # One long stream keeps going while the load falls: scale-down must let it finish.
     tail: list = []
-    last = threading.Thread(target=_stream, args=(autoscaling_server, 400, tail))
+    last = threading.Thread(target=_stream, args=(autoscaling_server, 300, tail))
     last.start()
     deadline = time.monotonic() + 120
     while _engine_replicas("auto") > 1 and time.monotonic() < deadline:
@@ -119,4 +119,4 @@ def test_load_scales_the_engine_up_and_back_down_without_cutting_a_stream(autosc
     last.join()
     for status, error, text in results + tail:
         assert status == 200 and error is None and text
-    assert len(tail) == 1 and len(tail[0][2]) > len(results[0][2])  # 400 tokens, uncut
+    assert len(tail) == 1 and len(tail[0][2]) > len(results[0][2])  # 300 tokens, uncut

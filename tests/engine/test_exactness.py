@@ -43,17 +43,25 @@ def test_preemption_keeps_outputs(tiny_llama_dir, tiny_expected):
     assert any(o.metrics.num_preemptions for o in outputs)
 
 
-def test_preemption_with_block_reuse_keeps_outputs(tiny_llama_dir, tiny_expected):
-    """A small pool under MAX_UTILIZATION with cached prefixes in its free list: admitting a sequence
-    revives its cached blocks and needs room for its first chunk after them (this once overdrew the pool)."""
-    engine = make_engine(tiny_llama_dir, max_tokens=160, scheduler_policy=SchedulerPolicy.MAX_UTILIZATION,
-                         max_num_tokens=16)
+# A KV pool too small for the prompts at once: MAX_UTILIZATION preempts and resumes.
+SMALL_POOL = dict(max_tokens=160, scheduler_policy=SchedulerPolicy.MAX_UTILIZATION, max_num_tokens=16)
+
+
+def check_preempting_reuse(engine, expected) -> None:
+    """Staggered arrivals, twice (the second pass finds the first's blocks cached): outputs exact,
+    preemptions and reuse both happened, every block came back."""
     for _ in range(2):
         outputs = run_staggered(engine, _tiny_prompts(), GREEDY, [0, 0, 1, 3, 3, 7, 12])
-        assert [o.outputs[0].token_ids for o in outputs] == tiny_expected
+        assert [o.outputs[0].token_ids for o in outputs] == expected
     stats = engine.stats()
     assert stats.num_preempted_total > 0 and stats.reused_blocks_total > 0
     assert stats.free_blocks == stats.max_blocks
+
+
+def test_preemption_with_block_reuse_keeps_outputs(tiny_llama_dir, tiny_expected):
+    """Cached prefixes sit in the free list: admitting a sequence revives its cached blocks and
+    needs room for its first chunk after them (this once overdrew the pool)."""
+    check_preempting_reuse(make_engine(tiny_llama_dir, **SMALL_POOL), tiny_expected)
 
 
 def test_guaranteed_no_evict_never_preempts(tiny_llama_dir, tiny_expected):

@@ -3,18 +3,10 @@ device produces: greedy tokens equal transformers', logprobs and beams equal the
 engine's, LoRA adapters sharded with the layers, under preemption and block reuse."""
 import pytest
 
-from app.engine import SamplingParams, SchedulerPolicy
-from tests.conftest import hf_greedy, make_engine, random_prompts, run_staggered
-from tests.engine.test_lora import ADAPTERS, _run, adapter_dirs, expected  # noqa: F401 - fixtures
-
-GREEDY = SamplingParams(max_tokens=20, temperature=0.0)
-# A KV pool too small for every prompt at once: MAX_UTILIZATION preempts and resumes.
-SMALL_POOL = dict(max_tokens=160, scheduler_policy=SchedulerPolicy.MAX_UTILIZATION, max_num_tokens=16)
-
-
-def _prompts():
-    prompts = random_prompts(6, 3, 40, vocab=256, seed=1)
-    return prompts + [prompts[0][:24] + [7, 8, 9]]  # shares three full blocks with prompt 0
+from app.engine import SamplingParams
+from tests.conftest import hf_greedy, make_engine
+from tests.engine.test_exactness import GREEDY, SMALL_POOL, _tiny_prompts, check_preempting_reuse
+from tests.engine.test_lora import _run, adapter_dirs, expected  # noqa: F401 - fixtures
 
 
 @pytest.fixture(scope="module", params=[(2, 1), (1, 2), (2, 2)], ids=["tp2", "pp2", "tp2-pp2"])
@@ -32,17 +24,11 @@ def single_engine(tiny_llama_dir):
 
 
 def test_greedy_matches_transformers(parallel_engine, tiny_hf):
-    expected = [hf_greedy(tiny_hf, p, GREEDY.max_tokens) for p in _prompts()]
-    for _ in range(2):  # the second pass reuses the first pass's cached blocks
-        outputs = run_staggered(parallel_engine, _prompts(), GREEDY, [0, 0, 1, 3, 3, 7, 12])
-        assert [o.outputs[0].token_ids for o in outputs] == expected
-    stats = parallel_engine.stats()
-    assert stats.reused_blocks_total > 0 and stats.num_preempted_total > 0
-    assert stats.free_blocks == stats.max_blocks
+    check_preempting_reuse(parallel_engine, [hf_greedy(tiny_hf, p, GREEDY.max_tokens) for p in _tiny_prompts()])
 
 
 def test_logprobs_and_beams_match_one_device(parallel_engine, single_engine):
-    prompts = _prompts()[:3]
+    prompts = _tiny_prompts()[:3]
     for params in (SamplingParams(max_tokens=12, temperature=0.0, logprobs=True),
                    SamplingParams(max_tokens=10, beam_width=2, n=2, logprobs=True)):
         ours, ref = parallel_engine.generate(prompts, params), single_engine.generate(prompts, params)

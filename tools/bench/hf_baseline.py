@@ -78,3 +78,23 @@ def run_static_batches(model, wl: Workload) -> RunResult:
                        sum(map(len, wl.prompts)))
     result.ttft_ms = None
     return result
+
+
+def run_generate_batch(model, wl: Workload) -> RunResult:
+    """transformers' continuous batching (`generate_batch`, paged attention): every request at once;
+    it reports no per-request timings, so only the wall time counts. Not under inference_mode: its
+    generation thread updates tensors in place, which inference tensors refuse."""
+    from transformers import GenerationConfig
+
+    config = GenerationConfig(max_new_tokens=wl.output_len, do_sample=False,
+                              eos_token_id=_first(model.generation_config.eos_token_id),
+                              pad_token_id=_first(model.generation_config.eos_token_id))
+    start = time.perf_counter()
+    outputs = model.generate_batch(inputs=wl.prompts, generation_config=config, progress_bar=False)
+    wall = time.perf_counter() - start
+    timings = [RequestTiming(float("nan"), wall, len(out.generated_tokens), []) for out in outputs.values()]
+    if not sum(t.output_tokens for t in timings):
+        raise RuntimeError("generate_batch produced no tokens (its log says why)")
+    result = summarize(f"hf generate_batch {wl.num_requests}", wall, timings, sum(map(len, wl.prompts)))
+    result.ttft_ms = None
+    return result

@@ -11,6 +11,7 @@ from app.engine.llm_engine import merge_outputs
 from app.protocol.messages import AdapterRef
 from app.streaming import StreamPacer
 from deployments.metrics import EngineMetrics
+from deployments.workers import PlacementGroupLauncher, placement_of_this_process
 
 MAX_ADAPTERS_PER_REPLICA = 64  # what Serve's multiplexed routing tracks per replica
 
@@ -23,7 +24,6 @@ class EngineDeployment:
         adapters = {name: policy.resolve(AdapterRef(name, None, "lora_adapters")).path for name in config.lora_adapters}
         self.launcher = None
         if config.world_size > 1 and config.backend == "torch":
-            from deployments.workers import PlacementGroupLauncher
             self.launcher = PlacementGroupLauncher(config.device)
         self.backend = create_backend(config, adapters, self.launcher)
         self.pacer = StreamPacer(config.serve.engine.stream_interval_ms)
@@ -48,7 +48,6 @@ class EngineDeployment:
 
     def placement(self) -> list[dict]:
         """Rank 0 (this replica) and the other ranks: placement group and node of each."""
-        from deployments.workers import placement_of_this_process
         return [placement_of_this_process()] + (self.launcher.placements() if self.launcher else [])
 
     def __del__(self):  # Serve calls this when the replica stops (after draining): release the ranks

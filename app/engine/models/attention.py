@@ -31,17 +31,28 @@ class AttentionMetadata:
     decode_context_lens: torch.Tensor | None = None  # [num_decodes] int32: the CUDA kernel's path
 
 
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slots: torch.Tensor) -> None:
+    """Write the step's keys and values into their cache slots (on CUDA the rotary kernel does this)."""
+    num_kv_heads, head_dim = k.shape[1], k.shape[2]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, k)
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, v)
+
+
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """q: [T, H, D]; k, v: [T, KVH, D]; caches: [num_blocks, block_size, KVH, D]. Returns [T, H, D]."""
-    num_kv_heads, head_dim = k.shape[1], k.shape[2]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
-    out = torch.empty_like(q)
+    """q: [T, H, D]; k, v: [T, KVH, D], already in the caches [num_blocks, block_size, KVH, D].
+    Returns [T, H, D]."""
     nd = meta.num_decodes
-    if nd and meta.decode_context_lens is not None:
+    on_cuda = nd and meta.decode_context_lens is not None  # the Triton kernel takes lengths, no mask
+    if on_cuda:
         from app.engine.models.triton_attention import paged_decode
-        out[:nd] = paged_decode(q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale)
+        decode = paged_decode(q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale)
+        if nd == q.shape[0]:  # decode-only step: the kernel's output is the answer, no copy
+            return decode
+    out = torch.empty_like(q)
+    if on_cuda:
+        out[:nd] = decode
     elif nd:
         keys = _gather(k_cache, meta.decode_block_tables)  # [B, KVH, L, D]
         values = _gather(v_cache, meta.decode_block_tables)

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from app.engine.models.attention import AttentionMetadata, paged_attention
+from app.engine.models.attention import AttentionMetadata, paged_attention, store_kv
 from app.engine.models.layers import (Linear, MergedLinear, RMSNorm, RotaryEmbedding, apply_rotary,
                                       cpu_packing_available)
 from app.engine.parallel import SINGLE, ParallelLayout, TensorParallel
@@ -78,12 +78,23 @@ class Attention(nn.Module):
         self.o_proj = Linear(q_size, cfg.hidden_size, False, dtype, tp, "row")
         self.split = (q_size // tp.size, kv_size // tp.size, kv_size // tp.size)
         self.scale = cfg.head_dim ** -0.5
+        half = cfg.head_dim // 2
+        self.fusable = cfg.head_dim % 2 == 0 and half & (half - 1) == 0  # the fused kernel's tile is a power of 2
 
     def forward(self, x, rope, kv_cache, meta: AttentionMetadata, lora):
-        q, k, v = self.qkv_proj(x, lora).split(self.split, dim=-1)
+        qkv = self.qkv_proj(x, lora)
         t = x.shape[0]
-        q, k = apply_rotary(q.view(t, self.num_heads, self.head_dim), k.view(t, self.num_kv_heads, self.head_dim), *rope)
-        o = paged_attention(q, k, v.view(t, self.num_kv_heads, self.head_dim), kv_cache[0], kv_cache[1], meta, self.scale)
+        if qkv.is_cuda and self.fusable:  # rotate q, k in place and write k, v to the cache: one kernel
+            from app.engine.models.triton_fused import rotary_store
+            q, k, v = rotary_store(qkv, self.num_heads, self.num_kv_heads, *rope, kv_cache[0], kv_cache[1],
+                                   meta.slot_mapping)
+        else:
+            q, k, v = qkv.split(self.split, dim=-1)
+            q, k = apply_rotary(q.view(t, self.num_heads, self.head_dim),
+                                k.view(t, self.num_kv_heads, self.head_dim), *rope)
+            v = v.view(t, self.num_kv_heads, self.head_dim)
+            store_kv(k, v, kv_cache[0], kv_cache[1], meta.slot_mapping)
+        o = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
         return self.o_proj(o.view(t, -1), lora)
 
 
@@ -94,7 +105,11 @@ class MLP(nn.Module):
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, False, dtype, tp, "row")
 
     def forward(self, x, lora):
-        gate, up = self.gate_up_proj(x, lora).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x, lora)
+        if gate_up.is_cuda:
+            from app.engine.models.triton_fused import silu_mul
+            return self.down_proj(silu_mul(gate_up), lora)
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate).mul_(up), lora)
 
 

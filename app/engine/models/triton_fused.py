@@ -1,0 +1,81 @@
+"""Elementwise work of a decoder layer fused into single Triton kernels (CUDA): at small batch a
+decode step is bounded by how many kernels it launches, not by their bytes (docs/PERFORMANCE.md:
+rotary alone was ten kernels per layer, the cache writes two more, SiLU * up two).
+
+- `rotary_store`: rotates q and k in place (rotate-half RoPE with the step's cos/sin rows) and
+  writes k and v into their cache slots: one launch instead of twelve.
+- `silu_mul`: SiLU(gate) * up from the merged gate/up output: one launch instead of two.
+Both compute in float32 and round once, which is exact in float32 and within bf16 rounding of the
+unfused path in 16-bit.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rotary_store_kernel(qkv_ptr, cos_ptr, sin_ptr, slots_ptr, k_cache_ptr, v_cache_ptr, stride_t, stride_rope,
+                         NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr):
+    token = tl.program_id(0)
+    head = tl.program_id(1)  # q heads, then k heads, then v heads of this token
+    d = tl.arange(0, HALF)
+    base = qkv_ptr + token * stride_t + head * 2 * HALF
+    x1 = tl.load(base + d).to(tl.float32)
+    x2 = tl.load(base + HALF + d).to(tl.float32)
+    slot = tl.load(slots_ptr + token).to(tl.int64)
+    if head < NUM_HEADS + NUM_KV_HEADS:
+        cos = tl.load(cos_ptr + token * stride_rope + d).to(tl.float32)  # both halves of the row are equal
+        sin = tl.load(sin_ptr + token * stride_rope + d).to(tl.float32)
+        y1 = (x1 * cos - x2 * sin).to(qkv_ptr.dtype.element_ty)
+        y2 = (x2 * cos + x1 * sin).to(qkv_ptr.dtype.element_ty)
+        tl.store(base + d, y1)
+        tl.store(base + HALF + d, y2)
+        if head >= NUM_HEADS:
+            cache = k_cache_ptr + slot * NUM_KV_HEADS * 2 * HALF + (head - NUM_HEADS) * 2 * HALF
+            tl.store(cache + d, y1)
+            tl.store(cache + HALF + d, y2)
+    else:
+        cache = v_cache_ptr + slot * NUM_KV_HEADS * 2 * HALF + (head - NUM_HEADS - NUM_KV_HEADS) * 2 * HALF
+        tl.store(cache + d, x1.to(qkv_ptr.dtype.element_ty))
+        tl.store(cache + HALF + d, x2.to(qkv_ptr.dtype.element_ty))
+
+
+def fusable_head_dim(head_dim: int) -> bool:
+    return head_dim % 2 == 0 and (head_dim // 2) & (head_dim // 2 - 1) == 0
+
+
+def rotary_store(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, cos: torch.Tensor, sin: torch.Tensor,
+                 k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor):
+    """qkv: [T, (H + 2 KVH) * D], rotated in place; cos, sin: [T, 1, D]; caches [blocks, block_size, KVH, D]
+    (contiguous). Returns the views q [T, H, D], k, v [T, KVH, D]."""
+    t, head_dim = qkv.shape[0], k_cache.shape[-1]
+    if t:
+        _rotary_store_kernel[(t, num_heads + 2 * num_kv_heads)](
+            qkv, cos, sin, slots, k_cache, v_cache, qkv.stride(0), cos.stride(0),
+            NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HALF=head_dim // 2)
+    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+    return q.view(t, num_heads, head_dim), k.view(t, num_kv_heads, head_dim), v.view(t, num_kv_heads, head_dim)
+
+
+@triton.jit
+def _silu_mul_kernel(x_ptr, out_ptr, width, stride_x, stride_out, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < width
+    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * stride_x + width + cols, mask=mask, other=0.0).to(tl.float32)
+    out = gate / (1.0 + tl.exp(-gate)) * up
+    tl.store(out_ptr + row * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[T, 2 I] (gate then up) -> SiLU(gate) * up, [T, I]."""
+    t, width = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty(t, width, dtype=gate_up.dtype, device=gate_up.device)
+    if t:
+        block = 1024
+        _silu_mul_kernel[(t, triton.cdiv(width, block))](gate_up, out, width, gate_up.stride(0), out.stride(0),
+                                                         BLOCK=block)
+    return out

@@ -8,10 +8,14 @@ move on a gloo group of their own, as pickled objects, so the control path never
 from __future__ import annotations
 
 import datetime
+import pickle
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+
+CONTROL_BYTES = 1 << 16  # a step's inputs in one broadcast up to this size (a decode step of 256 sequences: ~40 kB)
 
 
 @dataclass(frozen=True)
@@ -92,13 +96,33 @@ class Distributed:
             if stage == layout.pp_rank:
                 tp_group = group
         self.tp = TensorParallel(layout.tp_size, layout.tp_rank, tp_group)
+        self._control_buffer = torch.zeros(CONTROL_BYTES, dtype=torch.uint8)
 
     # -- control: rank 0 to everyone ---------------------------------------------------------------
     def broadcast(self, message=None):
-        """Rank 0 sends `message`; every other rank receives and returns it."""
-        box = [message]
-        dist.broadcast_object_list(box, src=0, group=self.control)
-        return box[0]
+        """Rank 0 sends `message` (pickled); every other rank receives and returns it. One broadcast
+        of a fixed buffer (length, then the bytes) carries a step's inputs; only a message larger
+        than the buffer takes a second. torch's broadcast_object_list always takes two (size, then
+        payload): 0.8 ms against 0.18 ms per step between two ranks on the 2-core dev machine."""
+        buffer = self._control_buffer
+        if self.layout.rank == 0:
+            data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+            head = min(len(data), CONTROL_BYTES - 8)
+            buffer[:8] = torch.frombuffer(bytearray(len(data).to_bytes(8, "little")), dtype=torch.uint8)
+            buffer[8:8 + head] = torch.frombuffer(bytearray(data[:head]), dtype=torch.uint8)
+            dist.broadcast(buffer, 0, group=self.control)
+            if len(data) > head:
+                dist.broadcast(torch.frombuffer(bytearray(data[head:]), dtype=torch.uint8), 0, group=self.control)
+            return message
+        dist.broadcast(buffer, 0, group=self.control)
+        size = int.from_bytes(buffer[:8].numpy().tobytes(), "little")
+        head = min(size, CONTROL_BYTES - 8)
+        data = buffer[8:8 + head].numpy().tobytes()
+        if size > head:
+            rest = torch.empty(size - head, dtype=torch.uint8)
+            dist.broadcast(rest, 0, group=self.control)
+            data += rest.numpy().tobytes()
+        return pickle.loads(data)
 
     def min_int(self, value: int) -> int:
         t = torch.tensor([value], dtype=torch.long)

@@ -1,9 +1,14 @@
 """Tensor and pipeline parallel engines (gloo on CPU, ranks as local processes) produce what one
 device produces: greedy tokens equal transformers', logprobs and beams equal the single-device
 engine's, LoRA adapters sharded with the layers, under preemption and block reuse."""
+import multiprocessing
+
 import pytest
+import torch
 
 from app.engine import SamplingParams
+from app.engine.executor import free_port
+from app.engine.parallel import CONTROL_BYTES, Distributed, ParallelLayout
 from tests.conftest import hf_greedy, make_engine
 from tests.engine.test_exactness import GREEDY, SMALL_POOL, _tiny_prompts, check_preempting_reuse
 from tests.engine.test_lora import _run, adapter_dirs, expected  # noqa: F401 - fixtures
@@ -51,3 +56,24 @@ def test_a_split_the_model_cannot_take_is_refused(smollm2_dir):
         make_engine(smollm2_dir, tensor_parallel_size=2)
     with pytest.raises(ValueError, match="pipeline_parallel_size 64 exceeds the model's 30 layers"):
         make_engine(smollm2_dir, pipeline_parallel_size=64)
+
+
+def _receive_two(init_method: str, results) -> None:
+    dist = Distributed(ParallelLayout(2, 1, rank=1), init_method, torch.device("cpu"))
+    results.put(dist.broadcast())
+    results.put(dist.broadcast())
+    dist.close()
+
+
+def test_control_broadcast_carries_messages_larger_than_its_buffer():
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    init_method = f"tcp://127.0.0.1:{free_port('127.0.0.1')}"
+    other = context.Process(target=_receive_two, args=(init_method, results))
+    other.start()
+    dist = Distributed(ParallelLayout(2, 1, rank=0), init_method, torch.device("cpu"))
+    small, large = ("step", [(1, 2)], []), ("add_lora", "x" * (3 * CONTROL_BYTES), set())
+    assert dist.broadcast(small) == small and dist.broadcast(large) == large
+    assert results.get(timeout=60) == small and results.get(timeout=60) == large
+    other.join(timeout=30)
+    dist.close()

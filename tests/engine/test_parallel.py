@@ -58,10 +58,14 @@ def test_a_split_the_model_cannot_take_is_refused(smollm2_dir):
         make_engine(smollm2_dir, pipeline_parallel_size=64)
 
 
-def _receive_two(init_method: str, results) -> None:
-    dist = Distributed(ParallelLayout(2, 1, rank=1), init_method, torch.device("cpu"))
-    results.put(dist.broadcast())
-    results.put(dist.broadcast())
+SMALL, LARGE = ("step", [(1, 2)], []), ("add_lora", "x" * (3 * CONTROL_BYTES), set())
+
+
+def _broadcast_rank(rank: int, init_method: str, results) -> None:
+    """Both ranks in child processes: this test process may hold an engine's process group already."""
+    dist = Distributed(ParallelLayout(2, 1, rank=rank), init_method, torch.device("cpu"))
+    received = [dist.broadcast(SMALL if rank == 0 else None), dist.broadcast(LARGE if rank == 0 else None)]
+    results.put((rank, received))
     dist.close()
 
 
@@ -69,11 +73,10 @@ def test_control_broadcast_carries_messages_larger_than_its_buffer():
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
     init_method = f"tcp://127.0.0.1:{free_port('127.0.0.1')}"
-    other = context.Process(target=_receive_two, args=(init_method, results))
-    other.start()
-    dist = Distributed(ParallelLayout(2, 1, rank=0), init_method, torch.device("cpu"))
-    small, large = ("step", [(1, 2)], []), ("add_lora", "x" * (3 * CONTROL_BYTES), set())
-    assert dist.broadcast(small) == small and dist.broadcast(large) == large
-    assert results.get(timeout=60) == small and results.get(timeout=60) == large
-    other.join(timeout=30)
-    dist.close()
+    ranks = [context.Process(target=_broadcast_rank, args=(rank, init_method, results)) for rank in (0, 1)]
+    for process in ranks:
+        process.start()
+    got = dict(results.get(timeout=120) for _ in ranks)
+    for process in ranks:
+        process.join(timeout=30)
+    assert got == {0: [SMALL, LARGE], 1: [SMALL, LARGE]}

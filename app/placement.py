@@ -15,8 +15,8 @@ def placement_problem(bundles: list[dict[str, float]], strategy: str, nodes: lis
             return (f"an engine replica needs {amount:g} {resource} ({len(bundles)} ranks: tensor_parallel_size x "
                     f"pipeline_parallel_size) but the cluster has {have:g}")
     if strategy == "STRICT_PACK" and not any(all(node.get(r, 0) >= a for r, a in need.items()) for node in nodes):
-        largest = max((node.get("GPU", 0) if "GPU" in need else node.get("CPU", 0)) for node in nodes)
         unit = "GPU" if "GPU" in need else "CPU"
+        largest = max(node.get(unit, 0) for node in nodes)
         return (f"an engine replica needs {need.get(unit, 0):g} {unit} on one node (tensor parallelism does not "
                 f"cross nodes; use pipeline_parallel_size to span nodes) but the largest node has {largest:g}")
     return None

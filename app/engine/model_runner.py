@@ -42,9 +42,24 @@ class ModelRunner:
                 self.launcher.stop()
                 self.dist.close()
             raise
-        self.device, self.num_blocks, self.loras = self.shard.device, self.shard.num_blocks, self.shard.loras
-        self.block_size = self.shard.block_size
-        self.sampler = Sampler(config.seed, self.device)
+        self.sampler = Sampler(config.seed, self.shard.device)
+
+    # Rank 0's shard holds the device, the KV pool and the adapters; the engine reads them here.
+    @property
+    def device(self) -> torch.device:
+        return self.shard.device
+
+    @property
+    def num_blocks(self) -> int:
+        return self.shard.num_blocks
+
+    @property
+    def block_size(self) -> int:
+        return self.shard.block_size
+
+    @property
+    def loras(self):
+        return self.shard.loras
 
     def _start_workers(self, config: EngineConfig, model_dir: Path, max_seq_len: int,
                        layout: ParallelLayout) -> Distributed:

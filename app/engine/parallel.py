@@ -106,13 +106,13 @@ class Distributed:
         payload): 0.8-0.95 ms against 0.2-0.3 ms a step between two ranks on the 2-core dev VM."""
         buffer = self._control_buffer
         if self.layout.rank == 0:
-            data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+            data = bytearray(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))  # one copy, sliced as views
             head = min(len(data), CONTROL_BYTES - 8)
             buffer[:8] = torch.frombuffer(bytearray(len(data).to_bytes(8, "little")), dtype=torch.uint8)
-            buffer[8:8 + head] = torch.frombuffer(bytearray(data[:head]), dtype=torch.uint8)
+            buffer[8:8 + head] = torch.frombuffer(memoryview(data)[:head], dtype=torch.uint8)
             dist.broadcast(buffer, 0, group=self.control)
             if len(data) > head:
-                dist.broadcast(torch.frombuffer(bytearray(data[head:]), dtype=torch.uint8), 0, group=self.control)
+                dist.broadcast(torch.frombuffer(memoryview(data)[head:], dtype=torch.uint8), 0, group=self.control)
             return message
         dist.broadcast(buffer, 0, group=self.control)
         size = int.from_bytes(buffer[:8].numpy().tobytes(), "little")

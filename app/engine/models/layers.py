@@ -27,6 +27,7 @@ class MergedLinear(nn.Module):
                  tp: TensorParallel = SINGLE, parallel: str | None = None):
         super().__init__()
         self.tp, self.parallel = tp, parallel
+        self.reduces = parallel == "row" and tp.size > 1  # partial sums over the TP group
         if parallel == "column":
             out_sizes = [size // tp.size for size in out_sizes]
         elif parallel == "row":
@@ -54,14 +55,14 @@ class MergedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor, lora=None) -> torch.Tensor:
         # A row linear's bias is added once, after the partial sums are reduced.
-        bias = None if self.parallel == "row" and self.tp.size > 1 else self.bias
+        bias = None if self.reduces else self.bias
         if self.packed is not None:
             y = torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
         else:
             y = F.linear(x, self.weight, bias)
         if lora is not None:  # before the reduce: a row linear's adapter input is sliced too
             y = lora.apply(x, y, self.lora_key, self.offsets)
-        if self.parallel == "row" and self.tp.size > 1:
+        if self.reduces:
             y = self.tp.all_reduce(y)
             if self.bias is not None:
                 y = y + self.bias

@@ -71,6 +71,9 @@ def autoscaling_server(server, tmp_path_factory, lora_root):
     stages["engine"]["autoscaling"] = {"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 1,
                                        "upscale_delay_s": 0.5, "downscale_delay_s": 4, "look_back_period_s": 2,
                                        "metrics_interval_s": 0.5}
+    # The drain waits for the stream below however slow the shared CI box runs it (a stream still
+    # going when the grace period ends is cut; 60 s by default, and CI once took longer).
+    stages["engine"]["graceful_shutdown_timeout_s"] = 600
     path = _write_config(tmp_path_factory, lora_root, served_model_name="smollm2-auto", serve=stages,
                          kv_cache_config={"max_tokens": 8192})
     serve.run(build_app({"config": str(path)}), name="auto", route_prefix="/auto")

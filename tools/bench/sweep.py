@@ -72,20 +72,23 @@ def main(argv=None) -> None:
         torch.cuda.empty_cache()
     if args.no_hf:
         return
-    from tools.bench.hf_baseline import load_hf, run_static_batches
-    model = load_hf(args.model, resolve_dtype(args.dtype, torch.device(args.device)), args.device,
-                    dummy=args.load_format == "dummy")
+    from tools.bench.hf_baseline import run_static_batches
+    model = _load_hf(args)
     for c in args.concurrency:  # one static batch of c requests
         wl = synthetic(c, args.input_len, args.output_len, vocab, concurrency=c)
         save("hf_static", run_static_batches(model, wl), concurrency=c)
     _generate_batch(args, report, save, model)
 
 
+def _load_hf(args):
+    from tools.bench.hf_baseline import load_hf
+    return load_hf(args.model, resolve_dtype(args.dtype, torch.device(args.device)), args.device,
+                   dummy=args.load_format == "dummy")
+
+
 def _generate_batch(args, report: dict, save, model=None) -> None:
-    from tools.bench.hf_baseline import load_hf, run_generate_batch
-    if model is None:
-        model = load_hf(args.model, resolve_dtype(args.dtype, torch.device(args.device)), args.device,
-                        dummy=args.load_format == "dummy")
+    from tools.bench.hf_baseline import run_generate_batch
+    model = _load_hf(args) if model is None else model
     top = max(args.concurrency)
     try:
         wl = synthetic(top, args.input_len, args.output_len, model.config.vocab_size, concurrency=top)

@@ -42,10 +42,6 @@ def _rotary_store_kernel(qkv_ptr, cos_ptr, sin_ptr, slots_ptr, k_cache_ptr, v_ca
         tl.store(cache + HALF + d, x2.to(qkv_ptr.dtype.element_ty))
 
 
-def fusable_head_dim(head_dim: int) -> bool:
-    return head_dim % 2 == 0 and (head_dim // 2) & (head_dim // 2 - 1) == 0
-
-
 def rotary_store(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, cos: torch.Tensor, sin: torch.Tensor,
                  k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor):
     """qkv: [T, (H + 2 KVH) * D], rotated in place; cos, sin: [T, 1, D]; caches [blocks, block_size, KVH, D]

@@ -19,7 +19,7 @@ from app.engine.config import EngineConfig
 from app.engine.cuda_graphs import DecodeGraphs
 from app.engine.lora import LoRACache
 from app.engine.model_loader import load_model
-from app.engine.models.attention import AttentionMetadata, PrefillChunk
+from app.engine.models.attention import AttentionMetadata, PrefillChunk, VarlenPrefill, varlen_prefill_supported
 from app.engine.parallel import SINGLE, Distributed, ParallelLayout
 
 
@@ -145,10 +145,14 @@ class ModelShard:
             else:
                 width = batch.decode_tables.shape[1] * bs
                 decode_mask = (torch.arange(width)[None, :] < batch.decode_lens[:, None])[:, None, None, :]
-        chunks = [PrefillChunk(start, n, context, torch.tensor(table, device=dev))
-                  for start, n, context, table in batch.prefills]
+        chunks, varlen = [], None
+        if batch.prefills and varlen_prefill_supported(dev, self.dtype):
+            varlen = VarlenPrefill.build(batch.prefills, bs, dev)
+        else:
+            chunks = [PrefillChunk(start, n, context, torch.tensor(table, device=dev))
+                      for start, n, context, table in batch.prefills]
         meta = AttentionMetadata(batch.slots.to(dev), batch.num_decodes, decode_tables, decode_mask, chunks,
-                                 decode_lens)
+                                 decode_lens, varlen)
         return batch.input_ids.to(dev), batch.positions.to(dev), meta, batch.logits_indices.to(dev)
 
 

@@ -2,11 +2,14 @@
 
 Tokens arrive packed: first the decode tokens (one per sequence), then each prefill chunk.
 Decodes run, on CUDA, as a Triton kernel reading each sequence's own blocks (CUDA-graph safe);
-elsewhere as one batched SDPA over gathered blocks with a length mask. Each prefill chunk runs
-its own SDPA, causal within the chunk and full over the cached prefix before it.
+elsewhere as one batched SDPA over gathered blocks with a length mask. Prefill chunks attend
+causally within the chunk and fully to the cached prefix before it: on CUDA in 16-bit all of a
+step's chunks go through one varlen flash-attention call; elsewhere each chunk runs its own SDPA.
 """
 from __future__ import annotations
 
+import functools
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +25,49 @@ class PrefillChunk:
 
 
 @dataclass
+class VarlenPrefill:
+    """Every prefill chunk of a step as one varlen call: queries are the step's rows after the
+    decodes, keys each chunk's whole context. Causal masking aligns each chunk's last query with its
+    last key, so a cached prefix is seen in full."""
+
+    cu_q: torch.Tensor  # [chunks + 1] int32 offsets of each chunk's queries
+    cu_k: torch.Tensor  # [chunks + 1] int32 offsets of each chunk's keys
+    max_q: int
+    max_k: int
+    kv_slots: torch.Tensor | None  # cache slots of every chunk's keys; None: no prefix, the step's own keys
+
+    @classmethod
+    def build(cls, prefills: list[tuple[int, int, int, list[int]]], block_size: int,
+              device: torch.device) -> VarlenPrefill:
+        """prefills: (start, num_tokens, context_len, block table) per chunk, in row order."""
+        news, contexts = [p[1] for p in prefills], [p[2] for p in prefills]
+        kv_slots = None
+        if news != contexts:
+            offsets = torch.arange(block_size)
+            kv_slots = torch.cat([(torch.tensor(table)[:, None] * block_size + offsets).flatten()[:context]
+                                  for _, _, context, table in prefills]).to(device, non_blocking=True)
+
+        def cumulative(sizes):
+            return torch.tensor([0] + sizes, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(device)
+        return cls(cumulative(news), cumulative(contexts), max(news), max(contexts), kv_slots)
+
+
+@functools.cache
+def _flash_varlen():
+    """torch's varlen flash attention where this torch has the form called here (2.11+), else None."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    params = inspect.signature(varlen_attn).parameters
+    return varlen_attn if {"scale", "window_size"} <= params.keys() else None
+
+
+def varlen_prefill_supported(device: torch.device, dtype: torch.dtype) -> bool:
+    return device.type == "cuda" and dtype in (torch.bfloat16, torch.float16) and _flash_varlen() is not None
+
+
+@dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] cache slot written by each token
     num_decodes: int
@@ -29,6 +75,7 @@ class AttentionMetadata:
     decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size] (portable path)
     prefills: list[PrefillChunk]
     decode_context_lens: torch.Tensor | None = None  # [num_decodes] int32: the CUDA kernel's path
+    varlen: VarlenPrefill | None = None  # set instead of `prefills` where the varlen kernel runs
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -50,6 +97,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         decode = paged_decode(q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale)
         if nd == q.shape[0]:  # decode-only step: the kernel's output is the answer, no copy
             return decode
+    if meta.varlen is not None:
+        prefill = _varlen_prefill(q[nd:], k[nd:], v[nd:], k_cache, v_cache, meta.varlen, scale)
+        return torch.cat([decode, prefill]) if nd else prefill
     out = torch.empty_like(q)
     if on_cuda:
         out[:nd] = decode
@@ -72,6 +122,15 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
             o = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=mask, scale=scale, enable_gqa=True)
         out[rows] = o[0].transpose(0, 1)
     return out
+
+
+def _varlen_prefill(q, k, v, k_cache, v_cache, varlen: VarlenPrefill, scale: float) -> torch.Tensor:
+    if varlen.kv_slots is not None:  # some chunk has a cached prefix: every chunk's keys from the cache
+        k = k_cache.view(-1, k.shape[1], k.shape[2]).index_select(0, varlen.kv_slots)
+        v = v_cache.view(-1, v.shape[1], v.shape[2]).index_select(0, varlen.kv_slots)
+    # window (-1, 0): causal, aligned at each chunk's end (flash attention's convention).
+    return _flash_varlen()(q, k, v, varlen.cu_q, varlen.cu_k, varlen.max_q, varlen.max_k, scale=scale,
+                           window_size=(-1, 0))
 
 
 def _gather(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:

@@ -86,7 +86,17 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(size, dtype=dtype), requires_grad=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """RMSNorm(x); or, given the residual stream, adds x to it in place and returns
+        (RMSNorm(residual), residual): on CUDA one kernel does both."""
+        if residual is None:
+            return self._norm(x)
+        if x.is_cuda:
+            from app.engine.models.triton_fused import add_rms_norm
+            return add_rms_norm(x, residual, self.weight, self.eps), residual
+        return self._norm(residual.add_(x)), residual
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         # One fused kernel. In float32 it is the same arithmetic as below; in 16-bit on CUDA it
         # rounds once instead of before the weight (within bf16 tolerance), for a fraction of the
         # seven kernels below, which bound a small decode step.

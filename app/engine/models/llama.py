@@ -121,9 +121,16 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp = MLP(cfg, dtype, tp)
 
-    def forward(self, x, rope, kv_cache, meta, lora):
-        x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta, lora)
-        return x.add_(self.mlp(self.post_attention_layernorm(x), lora))
+    def forward(self, x, residual, rope, kv_cache, meta, lora):
+        """x: the previous layer's MLP output, added here to the residual stream (None before the
+        first layer, whose x is the stream itself). Returns this layer's MLP output and the stream."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(h, rope, kv_cache, meta, lora)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h, lora), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -171,11 +178,13 @@ class LlamaForCausalLM(nn.Module):
         stage, which arrive as `hidden` there. `lora` (a LoRABatch) adapts the rows it names."""
         x = self.embed_tokens(input_ids) if hidden is None else hidden
         rope = self.rotary.table(positions, x.dtype)
+        residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, rope, kv_cache, meta, lora)
+            x, residual = layer(x, residual, rope, kv_cache, meta, lora)
         if not self.is_last:
-            return x
-        return self.lm_head(self.norm(x[logits_indices])).float()
+            return x + residual  # the next stage starts from the whole stream
+        h, _ = self.norm(x[logits_indices], residual[logits_indices])
+        return self.lm_head(h).float()
 
     def hf_target(self, name: str):
         """(module, parameter name, shard) that HF checkpoint tensor `name` loads into, or None for

@@ -1,7 +1,9 @@
 """Paged decode attention for CUDA as a Triton kernel: one program per (sequence, KV head) walks
 that sequence's blocks with an online softmax, reading only the blocks it owns, and handles every
-query head of the KV head's group in one tile (GQA). Its inputs are tensors only (block tables,
-context lengths), so decode steps can be captured in CUDA graphs.
+query head of the KV head's group in one tile (GQA). Each iteration reads a tile of TILE_TOKENS
+context tokens, spanning several cache blocks when blocks are small, so more bytes are in flight
+per program (tools/bench/kernels.py measures the choice). Its inputs are tensors only (block
+tables, context lengths), so decode steps can be captured in CUDA graphs.
 """
 from __future__ import annotations
 
@@ -9,28 +11,33 @@ import torch
 import triton
 import triton.language as tl
 
+TILE_TOKENS = 64  # context tokens per iteration
+NUM_WARPS = 4
+
 
 @triton.jit
 def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, scale,
                          stride_qt, stride_qh, stride_cb, stride_cs, stride_ch, stride_tb, stride_ot, stride_oh,
                          GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
-                         BLOCK_SIZE: tl.constexpr, IEEE: tl.constexpr):
+                         BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, IEEE: tl.constexpr):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     context = tl.load(lens_ptr + seq)
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, HEAD_DIM)
-    s = tl.arange(0, BLOCK_SIZE)
+    n = tl.arange(0, TILE)
     heads = kv_head * GROUP + g
     q = tl.load(q_ptr + seq * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=(g < GROUP)[:, None],
                 other=0.0)
     m = tl.full([BLOCK_G], float("-inf"), tl.float32)
     total = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
-    for i in range(0, tl.cdiv(context, BLOCK_SIZE)):
-        block = tl.load(tables_ptr + seq * stride_tb + i).to(tl.int64)
-        valid = i * BLOCK_SIZE + s < context
-        offsets = block * stride_cb + s[:, None] * stride_cs + kv_head * stride_ch + d[None, :]
+    for i in range(0, tl.cdiv(context, TILE)):
+        pos = i * TILE + n
+        valid = pos < context
+        block = tl.load(tables_ptr + seq * stride_tb + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+        offsets = block[:, None] * stride_cb + (pos % BLOCK_SIZE)[:, None] * stride_cs + kv_head * stride_ch \
+            + d[None, :]
         k = tl.load(k_ptr + offsets, mask=valid[:, None], other=0.0)
         if IEEE:
             scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
@@ -53,7 +60,8 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, sca
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                 context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                 context_lens: torch.Tensor, scale: float, tile_tokens: int = TILE_TOKENS,
+                 num_warps: int = NUM_WARPS) -> torch.Tensor:
     """q: [B, H, D]; caches: [num_blocks, block_size, KVH, D]; block_tables: [B, max_blocks] (int32);
     context_lens: [B] (int32). Returns [B, H, D]."""
     num_seqs, num_heads, head_dim = q.shape
@@ -64,5 +72,6 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         q, k_cache, v_cache, block_tables, context_lens, out, scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         out.stride(0), out.stride(1), GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-        BLOCK_SIZE=block_size, IEEE=q.dtype == torch.float32)
+        BLOCK_SIZE=block_size, TILE=max(tile_tokens, block_size), IEEE=q.dtype == torch.float32,
+        num_warps=num_warps)
     return out

@@ -5,7 +5,9 @@ rotary alone was ten kernels per layer, the cache writes two more, SiLU * up two
 - `rotary_store`: rotates q and k in place (rotate-half RoPE with the step's cos/sin rows) and
   writes k and v into their cache slots: one launch instead of twelve.
 - `silu_mul`: SiLU(gate) * up from the merged gate/up output: one launch instead of two.
-Both compute in float32 and round once, which is exact in float32 and within bf16 rounding of the
+- `add_rms_norm`: the residual add and the next RMSNorm: one launch instead of two, and the sum
+  is read once.
+All compute in float32 and round once, which is exact in float32 and within bf16 rounding of the
 unfused path in 16-bit.
 """
 from __future__ import annotations
@@ -74,4 +76,32 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         block = 1024
         _silu_mul_kernel[(t, triton.cdiv(width, block))](gate_up, out, width, gate_up.stride(0), out.stride(0),
                                                          BLOCK=block)
+    return out
+
+
+@triton.jit
+def _add_rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, width, eps, stride_x, stride_r, stride_out,
+                         BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < width
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    r = tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
+    # The sum is rounded to the stream's dtype before it is normalised, as the unfused add would be.
+    total = (x + r).to(residual_ptr.dtype.element_ty)
+    tl.store(residual_ptr + row * stride_r + cols, total, mask=mask)
+    h = total.to(tl.float32)
+    inv_rms = 1.0 / tl.sqrt(tl.sum(h * h, 0) / width + eps)
+    w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_out + cols, (h * inv_rms * w).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """residual += x (in place); returns RMSNorm(residual) * weight. x, residual: [T, hidden]."""
+    t, width = residual.shape
+    out = torch.empty_like(residual)
+    if t:
+        block = triton.next_power_of_2(width)
+        _add_rms_norm_kernel[(t,)](x, residual, weight, out, width, eps, x.stride(0), residual.stride(0),
+                                   out.stride(0), BLOCK=block, num_warps=min(16, max(1, block // 512)))
     return out

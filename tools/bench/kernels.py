@@ -1,0 +1,149 @@
+"""The engine's CUDA kernels alone, on the device: checks each against a reference and times the
+choices made in app/engine/models (decode tile, fused add + RMSNorm, varlen prefill against one
+SDPA per chunk). Prints one table; `--json` writes every row.
+
+    python -m tools.bench.kernels --json kernels.json
+"""
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+
+import torch
+import torch.nn.functional as F
+from triton.testing import do_bench
+
+from app.engine.models.attention import AttentionMetadata, PrefillChunk, VarlenPrefill, paged_attention
+from app.engine.models.triton_attention import paged_decode
+from app.engine.models.triton_fused import add_rms_norm
+
+SHAPES = {"llama-3.1-8b": dict(heads=32, kv_heads=8, head_dim=128, hidden=4096),
+          "smollm2-135m": dict(heads=9, kv_heads=3, head_dim=64, hidden=576)}
+ROWS: list[dict] = []
+
+
+def _row(**fields) -> None:
+    ROWS.append(fields)
+    print("  ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in fields.items()), flush=True)
+
+
+def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+def _random_cache(num_seqs: int, context: int, kv_heads: int, head_dim: int, block_size: int):
+    blocks_per_seq = -(-context // block_size)
+    num_blocks = num_seqs * blocks_per_seq + 1
+    k = torch.randn(num_blocks, block_size, kv_heads, head_dim, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    tables = torch.randperm(num_blocks - 1, device="cuda")[:num_seqs * blocks_per_seq].view(num_seqs, -1).int()
+    return k, v, tables
+
+
+def decode(shape: str, num_seqs: int, context: int, block_size: int) -> None:
+    s = SHAPES[shape]
+    k, v, tables = _random_cache(num_seqs, context, s["kv_heads"], s["head_dim"], block_size)
+    q = torch.randn(num_seqs, s["heads"], s["head_dim"], device="cuda", dtype=torch.bfloat16)
+    lens = torch.full((num_seqs,), context, device="cuda", dtype=torch.int32)
+    scale = s["head_dim"] ** -0.5
+    # Reference: gathered keys and values through SDPA in float32 for the first few sequences.
+    few = min(num_seqs, 4)
+    keys = k[tables[:few].long()].flatten(1, 2)[:, :context].transpose(1, 2).float()
+    values = v[tables[:few].long()].flatten(1, 2)[:, :context].transpose(1, 2).float()
+    ref = F.scaled_dot_product_attention(q[:few, :, None].float(), keys, values, scale=scale, enable_gqa=True)[:, :, 0]
+    kv_bytes = 2 * num_seqs * context * s["kv_heads"] * s["head_dim"] * 2
+    for tile in (32, 64, 128):
+        for warps in (2, 4, 8):
+            if tile < block_size:
+                continue
+            out = paged_decode(q, k, v, tables, lens, scale, tile_tokens=tile, num_warps=warps)
+            err = _rel_err(out[:few], ref)
+            us = do_bench(lambda: paged_decode(q, k, v, tables, lens, scale, tile_tokens=tile, num_warps=warps),
+                          warmup=25, rep=200, return_mode="median") * 1e3
+            _row(kernel="paged_decode", shape=shape, seqs=num_seqs, context=context, block=block_size, tile=tile,
+                 warps=warps, us=us, gbps=kv_bytes / us / 1e3, rel_err=err)
+
+
+def add_norm(shape: str, tokens: int) -> None:
+    hidden = SHAPES[shape]["hidden"]
+    x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
+    residual = torch.randn_like(x)
+    weight = torch.randn(hidden, device="cuda", dtype=torch.bfloat16)
+    fused_residual = residual.clone()
+    out = add_rms_norm(x, fused_residual, weight, 1e-5)
+    expect_residual = residual + x
+    err = _rel_err(out, F.rms_norm(expect_residual.float(), (hidden,), weight.float(), 1e-5))
+    exact_residual = torch.equal(fused_residual, expect_residual)
+    fused = do_bench(lambda: add_rms_norm(x, residual.clone(), weight, 1e-5), warmup=25, rep=200,
+                     return_mode="median") * 1e3
+    unfused = do_bench(lambda: F.rms_norm(residual.clone().add_(x), (hidden,), weight, 1e-5), warmup=25, rep=200,
+                       return_mode="median") * 1e3
+    _row(kernel="add_rms_norm", shape=shape, tokens=tokens, us=fused, unfused_us=unfused, rel_err=err,
+         residual_exact=exact_residual)
+
+
+def prefill(shape: str, chunks: list[tuple[int, int]], block_size: int = 32) -> None:
+    """chunks: (new tokens, cached prefix tokens) per sequence. Varlen against one SDPA per chunk."""
+    s = SHAPES[shape]
+    h, kvh, d = s["heads"], s["kv_heads"], s["head_dim"]
+    contexts = [n + prefix for n, prefix in chunks]
+    k_cache, v_cache, tables = _random_cache(len(chunks), max(contexts), kvh, d, block_size)
+    total = sum(n for n, _ in chunks)
+    q = torch.randn(total, h, d, device="cuda", dtype=torch.bfloat16)
+    # The chunk's own keys and values sit in the cache already (the rotary kernel writes them first).
+    slots = []
+    for i, (n, prefix) in enumerate(chunks):
+        pos = torch.arange(prefix, prefix + n, device="cuda")
+        slot = tables[i].long()[pos // block_size] * block_size + pos % block_size
+        slots.append(slot)
+    slots = torch.cat(slots)
+    k = k_cache.view(-1, kvh, d)[slots]
+    v = v_cache.view(-1, kvh, d)[slots]
+    starts = [sum(n for n, _ in chunks[:i]) for i in range(len(chunks))]
+    host_tables = tables.cpu().tolist()
+    per_chunk = AttentionMetadata(slots, 0, None, None, [
+        PrefillChunk(start, n, n + prefix, torch.tensor(host_tables[i][:-(-(n + prefix) // block_size)],
+                                                        device="cuda"))
+        for i, (start, (n, prefix)) in enumerate(zip(starts, chunks))])
+    spec = [(start, n, n + prefix, host_tables[i][:-(-(n + prefix) // block_size)])
+            for i, (start, (n, prefix)) in enumerate(zip(starts, chunks))]
+    varlen = VarlenPrefill.build(spec, block_size, torch.device("cuda"))
+    batched = AttentionMetadata(slots, 0, None, None, [], varlen=varlen)
+    scale = d ** -0.5
+    ref = paged_attention(q, k, v, k_cache, v_cache, per_chunk, scale)
+    out = paged_attention(q, k, v, k_cache, v_cache, batched, scale)
+    err = _rel_err(out, ref)
+    flops = sum(4 * n * (n / 2 + prefix) * h * d for n, prefix in chunks)
+    one_each = do_bench(lambda: paged_attention(q, k, v, k_cache, v_cache, per_chunk, scale), warmup=25, rep=200,
+                        return_mode="median") * 1e3
+    fused = do_bench(lambda: paged_attention(q, k, v, k_cache, v_cache, batched, scale), warmup=25, rep=200,
+                     return_mode="median") * 1e3
+    _row(kernel="prefill", shape=shape, chunks=len(chunks), new=chunks[0][0], prefix=chunks[0][1], varlen_us=fused,
+         per_chunk_us=one_each, varlen_tflops=flops / fused / 1e6, rel_err_vs_sdpa=err)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    from torch.nn.attention import varlen
+    print("varlen_attn", inspect.signature(varlen.varlen_attn), flush=True)
+    torch.manual_seed(0)
+    for shape, seqs, context in (("smollm2-135m", 1, 200), ("llama-3.1-8b", 1, 200), ("llama-3.1-8b", 1, 2000),
+                                 ("llama-3.1-8b", 64, 256), ("llama-3.1-8b", 256, 256),
+                                 ("llama-3.1-8b", 200, 1500)):
+        decode(shape, seqs, context, 32)
+    for shape, tokens in (("smollm2-135m", 1), ("llama-3.1-8b", 1), ("llama-3.1-8b", 512), ("llama-3.1-8b", 8192)):
+        add_norm(shape, tokens)
+    prefill("llama-3.1-8b", [(128, 0)] * 64)
+    prefill("llama-3.1-8b", [(1000, 0)] * 8)
+    prefill("llama-3.1-8b", [(96, 160), (128, 0), (500, 1000), (7, 33)])
+    prefill("smollm2-135m", [(128, 0)] * 16)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "rows": ROWS}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

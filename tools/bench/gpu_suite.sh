@@ -2,13 +2,19 @@
 # The GPU measurements behind docs/PERFORMANCE.md, in one call on the device machine (torch and
 # transformers come with its image): the engine's GPU checks, the kernels alone, then our engine
 # beside transformers on dummy-weight shapes, bf16. Each step has its own time limit and log, so a
-# hang costs one step, not the call. Results land in $OUT (or ./gpu-results).
+# hang costs one step, not the call. The steps together outrun one 10-minute call: name the ones
+# to run, e.g. `STEPS="tests kernels smollm2-b1" bash tools/bench/gpu_suite.sh` (default: all).
+# Results land in $OUT (or ./gpu-results).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 out=${OUT:-gpu-results}; mkdir -p "$out"
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv | tee "$out/gpu.txt"
-step() { local limit=$1 name=$2; shift 2; timeout "$limit" "$@" > "$out/$name.log" 2>&1; echo "$name rc=$?"; tail -3 "$out/$name.log"; }
+step() {
+  local limit=$1 name=$2; shift 2
+  [[ -z "${STEPS:-}" || " $STEPS " == *" $name "* ]] || return 0
+  timeout "$limit" "$@" > "$out/$name.log" 2>&1; echo "$name rc=$?"; tail -3 "$out/$name.log"
+}
 bench() { python tools/benchmark.py engine --load-format dummy --device cuda --dtype bfloat16 --ignore-eos "$@"; }
 step 300 tests python -m pytest -q -p no:cacheprovider tests/engine/test_gpu.py
 step 240 kernels python -m tools.bench.kernels --json "$out/kernels.json"

@@ -53,13 +53,7 @@ class ModelShard:
         self.dtype = resolve_dtype(config.dtype, device)
         self.model = load_model(model_dir, self.dtype, device, max_seq_len, config.load_format, self.layout, tp)
         self.block_size = config.kv_cache_config.tokens_per_block
-        num_blocks = self._count_blocks(config, max_seq_len)
-        self.num_blocks = dist.min_int(num_blocks) if dist else num_blocks  # every rank the same pool
         cfg = self.model.config
-        # One block more than the pool hands out: the scratch block padded graph rows write to.
-        self.kv_cache = torch.zeros(len(self.model.layers), 2, self.num_blocks + 1, self.block_size,
-                                    cfg.num_kv_heads // self.layout.tp_size, cfg.head_dim, dtype=self.dtype,
-                                    device=device)
         q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         shapes = {"q_proj": (cfg.hidden_size, q), "k_proj": (cfg.hidden_size, kv), "v_proj": (cfg.hidden_size, kv),
                   "o_proj": (q, cfg.hidden_size), "gate_proj": (cfg.hidden_size, cfg.intermediate_size),
@@ -67,13 +61,42 @@ class ModelShard:
                   "down_proj": (cfg.intermediate_size, cfg.hidden_size)}
         self.loras = LoRACache(config.max_loras, config.max_cpu_loras, config.max_lora_rank, device, self.dtype,
                                shapes, self.layout.tp_size, self.layout.tp_rank)
-        self.graphs = None
         # Pipeline stages pass activations between graphs; only single-stage decode is captured.
-        if device.type == "cuda" and config.cuda_graphs and self.layout.pp_size == 1:
-            self.graphs = DecodeGraphs(self.model, list(self.kv_cache.unbind(0)), config.max_batch_size,
-                                       -(-max_seq_len // self.block_size), self.num_blocks, self.block_size, device)
+        capture = device.type == "cuda" and config.cuda_graphs and self.layout.pp_size == 1
+        graph_bytes = 0
+        if capture and config.kv_cache_config.max_tokens is None:
+            graph_bytes = self._graph_bytes(config, max_seq_len)
+        num_blocks = self._count_blocks(config, max_seq_len, graph_bytes)
+        self.num_blocks = dist.min_int(num_blocks) if dist else num_blocks  # every rank the same pool
+        self._allocate_cache(self.num_blocks)
+        self.graphs = self._capture(config, max_seq_len) if capture else None
 
-    def _count_blocks(self, config: EngineConfig, max_seq_len: int) -> int:
+    def _allocate_cache(self, num_blocks: int) -> None:
+        cfg = self.model.config
+        # One block more than the pool hands out: the scratch block padded graph rows write to.
+        self.kv_cache = torch.zeros(len(self.model.layers), 2, num_blocks + 1, self.block_size,
+                                    cfg.num_kv_heads // self.layout.tp_size, cfg.head_dim, dtype=self.dtype,
+                                    device=self.device)
+
+    def _capture(self, config: EngineConfig, max_seq_len: int) -> DecodeGraphs:
+        num_blocks = self.kv_cache.shape[2] - 1
+        return DecodeGraphs(self.model, list(self.kv_cache.unbind(0)), config.max_batch_size,
+                            -(-max_seq_len // self.block_size), num_blocks, self.block_size, self.device)
+
+    def _graph_bytes(self, config: EngineConfig, max_seq_len: int) -> int:
+        """Device memory the decode graphs take (their pool and the activations of their warm-up),
+        measured by capturing them once over a one-block cache, so that the KV pool is sized from
+        what is free once the graphs are in place. The graphs are captured again over the real pool."""
+        free_before = torch.cuda.mem_get_info(self.device)[0]
+        self._allocate_cache(1)
+        graphs = self._capture(config, max_seq_len)
+        taken = free_before - torch.cuda.mem_get_info(self.device)[0]
+        del graphs
+        self.kv_cache = None
+        torch.cuda.empty_cache()
+        return max(0, taken)
+
+    def _count_blocks(self, config: EngineConfig, max_seq_len: int, graph_bytes: int = 0) -> int:
         kv = config.kv_cache_config
         if kv.max_tokens is not None:
             return -(-kv.max_tokens // self.block_size)
@@ -81,7 +104,7 @@ class ModelShard:
         bytes_per_token = (2 * len(self.model.layers) * cfg.num_kv_heads // self.layout.tp_size * cfg.head_dim
                            * self.dtype.itemsize)
         if self.device.type == "cuda":
-            free = torch.cuda.mem_get_info(self.device)[0]
+            free = torch.cuda.mem_get_info(self.device)[0] - graph_bytes
             tokens = int(free * kv.free_gpu_memory_fraction) // bytes_per_token
         else:  # no card to fill: a fraction of free RAM, but never more than a full batch can use
             free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // self.layout.world_size

@@ -37,7 +37,7 @@ def engine_command(args) -> dict:
                           cuda_graphs=not args.no_cuda_graphs, max_batch_size=args.max_batch_size,
                           max_num_tokens=args.max_num_tokens, scheduler_policy=args.policy,
                           batching_type=args.batching, enable_chunked_prefill=not args.no_chunked_prefill,
-                          kv_cache_config={"max_tokens": args.kv_tokens, "tokens_per_block": args.block_size,
+                          kv_cache_config={"max_tokens": args.kv_tokens or None, "tokens_per_block": args.block_size,
                                            "enable_block_reuse": not args.no_reuse},
                           tensor_parallel_size=args.tp, pipeline_parallel_size=args.pp)
     config.max_loras = max(config.max_loras, args.adapters)
@@ -138,7 +138,7 @@ def main(argv=None) -> None:
     e.add_argument("--pp", type=int, default=1, help="pipeline_parallel_size")
     e.add_argument("--max-batch-size", type=int, default=EngineConfig.max_batch_size)
     e.add_argument("--max-num-tokens", type=int, default=EngineConfig.max_num_tokens)
-    e.add_argument("--kv-tokens", type=int, default=65536)
+    e.add_argument("--kv-tokens", type=int, default=65536, help="KV pool size; 0: free_gpu_memory_fraction of free memory")
     e.add_argument("--block-size", type=int, default=32)
     e.add_argument("--no-reuse", action="store_true")
     e.add_argument("--no-chunked-prefill", action="store_true")

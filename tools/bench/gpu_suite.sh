@@ -28,3 +28,6 @@ step 300 llama8b-1024 "${bench[@]}" --model configs/shapes/llama-3.1-8b --num-re
 step 420 llama8b-1000 "${bench[@]}" --model configs/shapes/llama-3.1-8b --num-requests 512 --concurrency 512 \
      --max-batch-size 512 --max-num-tokens 8192 --kv-tokens 380000 --input-len 1000 --output-len 1000 \
      --json "$out/llama8b-1000x1000.json"
+step 420 llama8b-1000-fraction "${bench[@]}" --model configs/shapes/llama-3.1-8b --num-requests 512 \
+     --concurrency 512 --max-batch-size 512 --max-num-tokens 8192 --kv-tokens 0 --input-len 1000 --output-len 1000 \
+     --json "$out/llama8b-1000x1000-fraction.json"

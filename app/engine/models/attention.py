@@ -54,13 +54,24 @@ class VarlenPrefill:
 
 @functools.cache
 def _flash_varlen():
-    """torch's varlen flash attention where this torch has the form called here (2.11+), else None."""
+    """torch's varlen flash attention as f(q, k, v, cu_q, cu_k, max_q, max_k, scale), causal, or None
+    where this torch has none. Its causal mask is aligned at each sequence's end (flash attention's
+    convention), so a chunk's queries see its whole cached prefix. The keyword that asks for causal
+    masking moved between torch releases: `is_causal`, later `window_size=(-1, 0)`."""
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
         return None
     params = inspect.signature(varlen_attn).parameters
-    return varlen_attn if {"scale", "window_size"} <= params.keys() else None
+    if "scale" not in params:
+        return None
+    options = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
+    if "enable_gqa" in params:  # where torch asks for it, fewer key heads than query heads is opt-in
+        options["enable_gqa"] = True
+
+    def attend(q, k, v, cu_q, cu_k, max_q, max_k, scale):
+        return varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, **options)
+    return attend
 
 
 def varlen_prefill_supported(device: torch.device, dtype: torch.dtype) -> bool:
@@ -128,9 +139,7 @@ def _varlen_prefill(q, k, v, k_cache, v_cache, varlen: VarlenPrefill, scale: flo
     if varlen.kv_slots is not None:  # some chunk has a cached prefix: every chunk's keys from the cache
         k = k_cache.view(-1, k.shape[1], k.shape[2]).index_select(0, varlen.kv_slots)
         v = v_cache.view(-1, v.shape[1], v.shape[2]).index_select(0, varlen.kv_slots)
-    # window (-1, 0): causal, aligned at each chunk's end (flash attention's convention).
-    return _flash_varlen()(q, k, v, varlen.cu_q, varlen.cu_k, varlen.max_q, varlen.max_k, scale=scale,
-                           window_size=(-1, 0))
+    return _flash_varlen()(q, k, v, varlen.cu_q, varlen.cu_k, varlen.max_q, varlen.max_k, scale)
 
 
 def _gather(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:

@@ -59,15 +59,25 @@ def test_logprobs_within_bfloat16_tolerance(tiny_llama_dir):
 
 def test_chunked_prefill_over_a_cached_prefix_within_bfloat16_tolerance(tiny_llama_dir):
     """Prompts prefilled 48 tokens a step: every chunk after the first attends to a cached prefix
-    (the varlen kernel reading keys from the paged cache), and the first token still agrees."""
+    (the varlen kernel reading keys from the paged cache). Their first tokens' logprobs are held to
+    transformers in float32, beside the same prompts prefilled whole, so the message tells chunking's
+    error from bf16's."""
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.bfloat16).cuda().eval()
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).cuda().eval()
     prompts = random_prompts(6, 100, 200, 256, seed=6)
-    engine = LLMEngine(EngineConfig(model=str(tiny_llama_dir), device="cuda", dtype="bfloat16", max_num_tokens=48,
-                                    kv_cache_config={"max_tokens": 8192, "tokens_per_block": 16}))
-    outs = engine.generate(prompts, SamplingParams(max_tokens=1, temperature=0.0, logprobs=True))
-    for prompt, out in zip(prompts, outs):
-        with torch.inference_mode():
-            reference = torch.log_softmax(hf(torch.tensor([prompt], device="cuda")).logits[0, -1].float(), -1)
-        assert abs(out.outputs[0].logprobs[0] - reference[out.outputs[0].token_ids[0]].item()) < 0.05
+    params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=True)
+
+    def errors(max_num_tokens: int) -> list[float]:
+        engine = LLMEngine(EngineConfig(model=str(tiny_llama_dir), device="cuda", dtype="bfloat16",
+                                        max_num_tokens=max_num_tokens,
+                                        kv_cache_config={"max_tokens": 8192, "tokens_per_block": 16}))
+        found = []
+        for prompt, out in zip(prompts, engine.generate(prompts, params)):
+            with torch.inference_mode():
+                reference = torch.log_softmax(hf(torch.tensor([prompt], device="cuda")).logits[0, -1], -1)
+            found.append(abs(out.outputs[0].logprobs[0] - reference[out.outputs[0].token_ids[0]].item()))
+        return found
+
+    chunked, whole = errors(48), errors(2048)
+    assert max(chunked) < 0.05, f"chunked {chunked}, whole {whole}"

@@ -57,27 +57,28 @@ def test_logprobs_within_bfloat16_tolerance(tiny_llama_dir):
         assert reference[token] >= reference.max() - 0.05  # greedy up to bf16 ties
 
 
-def test_chunked_prefill_over_a_cached_prefix_within_bfloat16_tolerance(tiny_llama_dir):
-    """Prompts prefilled 48 tokens a step: every chunk after the first attends to a cached prefix
-    (the varlen kernel reading keys from the paged cache). Their first tokens' logprobs are held to
-    transformers in float32, beside the same prompts prefilled whole, so the message tells chunking's
-    error from bf16's."""
+def test_chunked_prefill_over_a_cached_prefix_equals_whole_prompt_prefill(tiny_llama_dir):
+    """Prompts prefilled 48 tokens a step, so every chunk after the first attends to a cached prefix
+    (the varlen kernel reading keys from the paged cache), against the same prompts prefilled whole:
+    the same first tokens and logprobs (flash attention reads a query's keys in the same order either
+    way), and both within bf16 rounding of transformers in float32."""
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).cuda().eval()
     prompts = random_prompts(6, 100, 200, 256, seed=6)
     params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=True)
 
-    def errors(max_num_tokens: int) -> list[float]:
+    def first_tokens(max_num_tokens: int) -> list[tuple[int, float]]:
         engine = LLMEngine(EngineConfig(model=str(tiny_llama_dir), device="cuda", dtype="bfloat16",
                                         max_num_tokens=max_num_tokens,
                                         kv_cache_config={"max_tokens": 8192, "tokens_per_block": 16}))
-        found = []
-        for prompt, out in zip(prompts, engine.generate(prompts, params)):
-            with torch.inference_mode():
-                reference = torch.log_softmax(hf(torch.tensor([prompt], device="cuda")).logits[0, -1], -1)
-            found.append(abs(out.outputs[0].logprobs[0] - reference[out.outputs[0].token_ids[0]].item()))
-        return found
+        return [(out.outputs[0].token_ids[0], out.outputs[0].logprobs[0]) for out in engine.generate(prompts, params)]
 
-    chunked, whole = errors(48), errors(2048)
-    assert max(chunked) < 0.05, f"chunked {chunked}, whole {whole}"
+    chunked, whole = first_tokens(48), first_tokens(2048)
+    for prompt, (token, logprob), (whole_token, whole_logprob) in zip(prompts, chunked, whole):
+        assert token == whole_token
+        assert logprob == pytest.approx(whole_logprob, abs=1e-3)
+        with torch.inference_mode():
+            reference = torch.log_softmax(hf(torch.tensor([prompt], device="cuda")).logits[0, -1], -1)
+        # bf16 rounding over 100-200 tokens of this random model: up to 0.1 measured on H100.
+        assert abs(logprob - reference[token].item()) < 0.15

@@ -40,5 +40,5 @@ def run_engine(engine: LLMEngine, wl: Workload, name: str = "ours") -> RunResult
                for rid in arrived]
     stats = engine.stats()
     extra = {"steps": engine.num_steps - steps_before, "preemptions": stats.num_preempted_total,
-             "kv_hit_rate": stats.kv_cache_hit_rate}
+             "kv_hit_rate": stats.kv_cache_hit_rate, "kv_pool_tokens": engine.limits.max_cache_tokens}
     return summarize(name, wall, timings, sum(len(p) for p in wl.prompts), extra)

@@ -49,3 +49,13 @@ bench_step 420 llama8b-1000 --model configs/shapes/llama-3.1-8b --num-requests 5
 step 420 llama8b-1000-fraction "${bench[@]}" --model configs/shapes/llama-3.1-8b --num-requests 512 \
      --concurrency 512 --max-batch-size 512 --max-num-tokens 8192 --kv-tokens 0 --input-len 1000 --output-len 1000 \
      --json "$out/llama8b-1000-fraction.json"
+# Where a batch-1 decode step's time goes (kernels by GPU time), over BASE too where it is set (copy
+# tools/bench/profile_steps.py into a BASE tree older than it).
+profile_step() {  # name model
+  wanted "$1" || return 0
+  local command=(python -m tools.bench.profile_steps --model "$2" --batch 1)
+  [[ -n "${BASE:-}" ]] && run 240 "$out/$1-base.log" "$BASE" "${command[@]}"
+  run 240 "$out/$1.log" "$root" "${command[@]}"
+}
+profile_step profile-smollm2 configs/shapes/smollm2-135m
+profile_step profile-llama8b configs/shapes/llama-3.1-8b

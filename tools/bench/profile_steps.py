@@ -25,13 +25,16 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=15)
     args = parser.parse_args()
     engine = LLMEngine(EngineConfig(model=args.model, device="cuda", dtype="bfloat16", load_format="dummy",
-                                    max_batch_size=max(8, args.batch),
+                                    max_batch_size=max(8, args.batch), max_num_tokens=8192,
                                     kv_cache_config={"max_tokens": args.batch * (args.input_len + 3 * args.steps + 64)}))
-    params = SamplingParams(max_tokens=3 * args.steps + 32, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=2 * args.steps + 16, temperature=0.0, ignore_eos=True)
     g = torch.Generator().manual_seed(0)
     for i in range(args.batch):
         engine.add_request(f"p{i}", torch.randint(2, 1000, (args.input_len,), generator=g).tolist(), params)
-    for _ in range(20):  # the prefill, then decode steps until every graph and kernel is warm
+    decoding: set[str] = set()
+    while len(decoding) < args.batch:  # the prompts' prefill steps, which are not what is measured here
+        decoding.update(out.request_id for out in engine.step())
+    for _ in range(10):  # decode steps until every graph and kernel is warm
         engine.step()
     torch.cuda.synchronize()
     start = time.perf_counter()

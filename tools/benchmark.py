@@ -34,7 +34,8 @@ from tools.bench.workload import synthetic
 
 def engine_command(args) -> dict:
     config = EngineConfig(model=args.model, dtype=args.dtype, device=args.device, load_format=args.load_format,
-                          cuda_graphs=not args.no_cuda_graphs, max_batch_size=args.max_batch_size,
+                          cuda_graphs=not args.no_cuda_graphs, disable_overlap_scheduler=args.disable_overlap_scheduler,
+                          max_batch_size=args.max_batch_size,
                           max_num_tokens=args.max_num_tokens, scheduler_policy=args.policy,
                           batching_type=args.batching, enable_chunked_prefill=not args.no_chunked_prefill,
                           kv_cache_config={"max_tokens": args.kv_tokens or None, "tokens_per_block": args.block_size,
@@ -124,6 +125,8 @@ def main(argv=None) -> None:
     e.add_argument("--device", default="cpu")
     e.add_argument("--dtype", default="auto")
     e.add_argument("--no-cuda-graphs", action="store_true", help="CUDA: run decode steps eagerly")
+    e.add_argument("--disable-overlap-scheduler", action="store_true",
+                   help="CUDA: read each step back before scheduling the next")
     e.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                    help="dummy: random weights from the model's config.json (e.g. configs/shapes/llama-3.1-8b)")
     e.add_argument("--num-requests", type=int, default=16)

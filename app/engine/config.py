@@ -59,6 +59,9 @@ class EngineConfig:
     max_cpu_loras: int = 64  # adapters kept loaded on the host (lora_cache_host_memory_bytes' role)
     max_lora_rank: int = 64
     cuda_graphs: bool = True  # CUDA only: replay decode steps from graphs (batch-size buckets)
+    # TensorRT-LLM's name. Overlap queues step k + 1 on the device before step k's tokens are read
+    # back (one CUDA device; requests with penalties, bad words or beams step without it).
+    disable_overlap_scheduler: bool = False
     load_format: str = "auto"  # "dummy": random weights from config.json alone (speed runs without downloads)
     max_input_len: int | None = None  # longest prompt accepted (tokens); default: max_seq_len - 1
     max_output_len: int | None = None  # largest max_tokens accepted; default: what max_seq_len leaves

@@ -13,7 +13,7 @@ from app.engine.config import EngineConfig
 from app.engine.errors import InvalidRequestError
 from app.engine.executor import WorkerLauncher
 from app.engine.model_loader import read_model_config, resolve_model_dir
-from app.engine.model_runner import ModelRunner
+from app.engine.model_runner import LaunchedStep, ModelRunner
 from app.engine.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput
 from app.engine.sampling_params import RequestLimits, SamplingParams, validate_request
 from app.engine.scheduler import Scheduler, SchedulerLimits
@@ -34,6 +34,13 @@ class Request:
         if self.beam is not None:
             return self.beam.done or self.aborted
         return all(s.finish_reason is not None for s in self.seqs)
+
+    @property
+    def overlappable(self) -> bool:
+        """Whether its steps can be queued before the last one is read back: sampling that looks
+        at earlier token values (penalties, bad words) or beams need every token on the host."""
+        p = self.params
+        return self.beam is None and not p.needs_penalties and not p.bad_token_ids
 
 
 class LLMEngine:
@@ -62,6 +69,11 @@ class LLMEngine:
         self._last_context_tokens = 0
         self._last_generation_requests = 0
         self._last_context_requests = 0
+        # Overlap pays where a step runs asynchronously: one CUDA device. (On CPU the step computes
+        # while it is launched; tests turn it on there to check the bookkeeping.)
+        self.overlap = (not config.disable_overlap_scheduler and self.runner.device.type == "cuda"
+                        and self.runner.dist is None)
+        self._in_flight: LaunchedStep | None = None
 
     # -- requests ----------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -101,6 +113,7 @@ class LLMEngine:
             return None
         request.aborted = True
         for seq in request.seqs:
+            seq.drop_pending()  # a token still in flight is not output
             if not seq.is_finished:
                 self.scheduler.remove(seq)
             if seq.finish_reason is None:
@@ -108,7 +121,7 @@ class LLMEngine:
         return self._output(request)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
+        return bool(self.requests)  # a request stays until its last step has been read back
 
     def shutdown(self) -> None:
         """Stop the other ranks of a parallel engine (nothing to do for one device)."""
@@ -116,30 +129,87 @@ class LLMEngine:
 
     # -- the step ----------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """One step. Overlapped (see `overlap`), it queues step k + 1 on the device, then reads back
+        step k and returns step k's outputs: the host's scheduling and output work runs while the
+        device computes. A token's stop check then comes one step late, so a sequence that ends on
+        a stop token may compute one extra token, which is dropped."""
+        overlap = self.overlap and all(r.overlappable for r in self.requests.values())
+        if not overlap and self._in_flight is not None:  # catch up before a step that needs every token
+            return self._finish(self._take_in_flight())
         plan = self.scheduler.schedule()
-        if plan.is_empty:
-            return []
+        if not overlap:
+            if plan.is_empty:
+                return []
+            self._begin(plan)
+            result = self.runner.execute(plan)
+            self._computed(plan)
+            return self._finish_rows(plan, result.seqs, result.sampled)
+        launched = None
+        if not plan.is_empty:
+            self._begin(plan)
+            launched = self.runner.launch(plan, self._in_flight)
+            self._computed(plan)
+        outputs = self._finish(self._take_in_flight()) if self._in_flight is not None else []
+        if launched is not None:
+            for row, seq in enumerate(launched.seqs):
+                if seq.finish_reason is not None:  # it ended on the token read back just now
+                    continue
+                seq.append_pending(row)
+                if seq.num_output_tokens >= seq.params.max_tokens:
+                    self.scheduler.remove(seq)  # its last token is in flight: nothing more to compute
+            self._in_flight = launched
+        return outputs
+
+    def _take_in_flight(self) -> LaunchedStep:
+        launched, self._in_flight = self._in_flight, None
+        return launched
+
+    def _begin(self, plan) -> None:
+        """The step's counters, before it runs."""
         now = time.time_ns()
         for item in plan.scheduled:
             item.seq.first_scheduled_ns = item.seq.first_scheduled_ns or now
-        result = self.runner.execute(plan)
         self.num_steps += 1
         self._last_context_tokens = sum(s.num_tokens for s in plan.scheduled if s.num_tokens > 1)
         self._last_generation_requests = sum(1 for s in plan.scheduled if s.num_tokens == 1)
         self._last_context_requests = len(plan.scheduled) - self._last_generation_requests
+
+    @staticmethod
+    def _computed(plan) -> None:
+        """Once the step is queued (its inputs are packed from the old counts), its tokens count as computed."""
         for item in plan.scheduled:
             item.seq.num_computed_tokens += item.num_tokens
-            self.block_manager.register_full_blocks(item.seq)
+
+    def _finish(self, launched: LaunchedStep) -> list[RequestOutput]:
+        """Read an overlapped step back: its placeholders become tokens, then as a plain step. Rows
+        whose sequence holds no placeholder of this step (ended or aborted since) are dropped."""
+        sampled = launched.sample.result()
+        live = [seq if seq.pending_row == row else None for row, seq in enumerate(launched.seqs)]
+        for row, seq in enumerate(live):
+            if seq is not None:
+                seq.resolve_pending(sampled.token_ids[row], sampled.logprobs[row])
+        return self._finish_rows(launched.plan, live, sampled, appended=True)
+
+    def _finish_rows(self, plan, seqs: list[Sequence | None], sampled, appended: bool = False) -> list[RequestOutput]:
+        """Hash the blocks the step filled, add the sampled tokens (unless already in place), check
+        stops and build the outputs. A None in `seqs` is a row to drop."""
+        for item in plan.scheduled:
+            if not item.seq.is_finished:  # an ended sequence has given its blocks back
+                self.block_manager.register_full_blocks(item.seq)
         touched: dict[str, Request] = {}
         beam_candidates: dict[int, tuple[BeamGroup, dict]] = {}
-        for row, seq in enumerate(result.seqs):
+        for row, seq in enumerate(seqs):
+            if seq is None or seq.request_id not in self.requests:
+                continue
             touched[seq.request_id] = self.requests[seq.request_id]
             if seq.beam_group is not None:
                 group_rows = beam_candidates.setdefault(id(seq.beam_group), (seq.beam_group, {}))[1]
-                group_rows[seq] = result.sampled.beam_candidates[row]
+                group_rows[seq] = sampled.beam_candidates[row]
                 continue
-            seq.append_token(result.sampled.token_ids[row], result.sampled.logprobs[row])
-            if seq.check_stop() is not None:
+            if not appended:
+                seq.append_token(sampled.token_ids[row], sampled.logprobs[row])
+            # (A sequence whose last token was queued at max_tokens has left the scheduler already.)
+            if seq.check_stop() is not None and not seq.is_finished:
                 self.scheduler.remove(seq)
         for group, candidates in beam_candidates.values():
             self._advance_beams(self.requests[group.running[0].request_id], group, candidates)

@@ -11,7 +11,7 @@ from app.engine.config import EngineConfig
 from app.engine.executor import ProcessLauncher, WorkerLauncher, cpu_threads_per_rank
 from app.engine.model_loader import read_model_config
 from app.engine.parallel import Distributed, ParallelLayout
-from app.engine.sampler import Sampler, SamplerOutput
+from app.engine.sampler import DeviceSample, Sampler, SamplerOutput
 from app.engine.scheduler import ScheduledSeq, SchedulerOutput
 from app.engine.sequence import Sequence
 from app.engine.worker import ModelShard, StepInputs
@@ -21,6 +21,14 @@ from app.engine.worker import ModelShard, StepInputs
 class StepResult:
     seqs: list[Sequence]  # the sequences that sampled, aligned with the sampler's rows
     sampled: SamplerOutput
+
+
+@dataclass
+class LaunchedStep:
+    """A step queued on the device whose tokens have not been read back yet (overlapped steps)."""
+    plan: SchedulerOutput
+    seqs: list[Sequence]  # aligned with the sample's rows
+    sample: DeviceSample
 
 
 class ModelRunner:
@@ -76,14 +84,25 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> StepResult:
+        """Run the step and read its tokens back."""
+        logits, seqs = self._run(plan, None)
+        return StepResult(seqs, self.sampler(logits, seqs))
+
+    @torch.inference_mode()
+    def launch(self, plan: SchedulerOutput, previous: LaunchedStep | None) -> LaunchedStep:
+        """Queue the step on the device and return without waiting for it. Inputs that are tokens
+        of `previous` still on the device (Sequence.pending_row) are read there. One rank only."""
+        logits, seqs = self._run(plan, previous.sample.token_ids if previous is not None else None)
+        return LaunchedStep(plan, seqs, self.sampler.sample(logits, seqs))
+
+    def _run(self, plan: SchedulerOutput, previous_tokens: torch.Tensor | None):
         groups = self._micro_batches(plan.scheduled)
         prepared = [self._prepare(group) for group in groups]
         batches = [inputs for inputs, _ in prepared]
         if self.dist is not None:
             self.dist.broadcast(("step", plan.block_copies, batches))
-        logits = self.shard.execute(plan.block_copies, batches)
-        seqs = [seq for _, group_seqs in prepared for seq in group_seqs]
-        return StepResult(seqs, self.sampler(logits, seqs))
+        logits = self.shard.execute(plan.block_copies, batches, previous_tokens)
+        return logits, [seq for _, group_seqs in prepared for seq in group_seqs]
 
     def add_lora(self, name: str, path, in_use: set[str]) -> None:
         self.loras.add(name, path, in_use)  # raises for a bad adapter before any other rank sees it
@@ -110,6 +129,7 @@ class ModelRunner:
         decodes = [s for s in scheduled if s.num_tokens == 1]
         prefills = [s for s in scheduled if s.num_tokens > 1]
         tokens, positions, slots, sample_seqs, logits_indices = [], [], [], [], []
+        pending = []  # (input row, row of the previous step's tokens) for tokens still on the device
         lora_rows: dict[str, list[int]] = {}
         chunks = []
         for item in decodes + prefills:
@@ -122,6 +142,8 @@ class ModelRunner:
             if item.samples:
                 sample_seqs.append(seq)
                 logits_indices.append(len(tokens) + item.num_tokens - 1)
+            if seq.pending_row is not None and end == seq.num_tokens:
+                pending.append((len(tokens) + item.num_tokens - 1, seq.pending_row))
             tokens.extend(seq.token_ids[start:end])
             positions.extend(range(start, end))
             slots.extend(seq.block_table[p // bs] * bs + p % bs for p in range(start, end))
@@ -133,5 +155,5 @@ class ModelRunner:
             decode_lens = torch.tensor([s.seq.num_computed_tokens + 1 for s in decodes], dtype=torch.int32)
         inputs = StepInputs(torch.tensor(tokens), torch.tensor(positions), torch.tensor(slots), len(decodes),
                             decode_tables, decode_lens, chunks, torch.tensor(logits_indices, dtype=torch.long),
-                            lora_rows)
+                            lora_rows, torch.tensor(pending, dtype=torch.long).T if pending else None)
         return inputs, sample_seqs

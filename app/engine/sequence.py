@@ -9,6 +9,9 @@ import torch
 from app.engine.sampling_params import SamplingParams
 
 
+PENDING_TOKEN = -1  # stands for a token still on the device (overlapped steps); never a model input
+
+
 class SequenceStatus(enum.Enum):
     WAITING = enum.auto()
     RUNNING = enum.auto()
@@ -57,6 +60,9 @@ class Sequence:
         self.reused_blocks = 0
         self.new_blocks = 0
         self.num_preemptions = 0
+        # Overlapped steps: the last token is still on the device, as row `pending_row` of the step
+        # in flight; its id here is a placeholder until the engine reads the step back.
+        self.pending_row: int | None = None
 
     # -- sizes -------------------------------------------------------------------------------------
     @property
@@ -87,6 +93,24 @@ class Sequence:
         now = time.time_ns()
         self.first_token_ns = self.first_token_ns or now
         self.last_token_ns = now
+
+    def append_pending(self, row: int) -> None:
+        """The token sampled in row `row` of the step in flight: counted now, read back later."""
+        self.token_ids.append(PENDING_TOKEN)
+        self.output_logprobs.append(0.0)
+        self.pending_row = row
+
+    def resolve_pending(self, token_id: int, logprob: float) -> None:
+        self.token_ids.pop()
+        self.output_logprobs.pop()
+        self.pending_row = None
+        self.append_token(token_id, logprob)
+
+    def drop_pending(self) -> None:
+        if self.pending_row is not None:
+            self.token_ids.pop()
+            self.output_logprobs.pop()
+            self.pending_row = None
 
     def check_stop(self) -> FinishReason | None:
         """After append_token: decide whether the sequence ends, and cut what must not be output."""

@@ -42,6 +42,7 @@ class StepInputs:
     prefills: list[tuple[int, int, int, list[int]]]  # (start, num_tokens, context_len, block table)
     logits_indices: torch.Tensor  # rows that sample
     lora_rows: dict[str, list[int]] = field(default_factory=dict)
+    pending: torch.Tensor | None = None  # [2, n]: input rows, and the previous step's token rows they take
 
 
 class ModelShard:
@@ -117,18 +118,24 @@ class ModelShard:
         return self.layout.rank == 0
 
     @torch.inference_mode()
-    def execute(self, block_copies: list[tuple[int, int]], batches: list[StepInputs]) -> torch.Tensor | None:
+    def execute(self, block_copies: list[tuple[int, int]], batches: list[StepInputs],
+                previous_tokens: torch.Tensor | None = None) -> torch.Tensor | None:
         """Run the step's micro-batches through this rank's layers; rank 0 gets the logits
-        [sampling rows, vocab], in batch order, every other rank None."""
+        [sampling rows, vocab], in batch order, every other rank None. `previous_tokens` (one rank
+        only): the tokens of the step before, still on the device, that `pending` inputs take."""
         for src, dst in block_copies:
             self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
         if self.layout.pp_size == 1:
-            logits = self._forward(batches[0])
+            logits = self._forward(batches[0], previous_tokens=previous_tokens)
             return logits if self.returns_logits else None
         return self._pipeline(batches)
 
-    def _forward(self, batch: StepInputs, hidden: torch.Tensor | None = None) -> torch.Tensor:
+    def _forward(self, batch: StepInputs, hidden: torch.Tensor | None = None,
+                 previous_tokens: torch.Tensor | None = None) -> torch.Tensor:
         input_ids, positions, meta, logits_indices = self._to_device(batch)
+        if batch.pending is not None:
+            pending = batch.pending.to(self.device, non_blocking=True)
+            input_ids[pending[0]] = previous_tokens[pending[1]]
         decode_only = meta.num_decodes == len(input_ids) == len(logits_indices) and not batch.lora_rows
         if self.graphs is not None and decode_only and len(input_ids) <= self.graphs.max_batch_size:
             return self.graphs.run(input_ids, positions, meta)
@@ -159,12 +166,17 @@ class ModelShard:
         return torch.cat(logits) if self.returns_logits else None
 
     def _to_device(self, batch: StepInputs):
+        """The step's inputs on the device. Every copy is non-blocking: a blocking one would wait for
+        the step already queued, which overlapped steps must not."""
         dev, bs = self.device, self.block_size
+
+        def on_device(t: torch.Tensor) -> torch.Tensor:
+            return t.to(dev, non_blocking=True)
         decode_mask = decode_lens = decode_tables = None
         if batch.num_decodes:
-            decode_tables = batch.decode_tables.to(dev)
+            decode_tables = on_device(batch.decode_tables)
             if dev.type == "cuda":  # the Triton kernel takes lengths, no mask
-                decode_lens = batch.decode_lens.to(dev, non_blocking=True)
+                decode_lens = on_device(batch.decode_lens)
             else:
                 width = batch.decode_tables.shape[1] * bs
                 decode_mask = (torch.arange(width)[None, :] < batch.decode_lens[:, None])[:, None, None, :]
@@ -172,11 +184,11 @@ class ModelShard:
         if batch.prefills and varlen_prefill_supported(dev, self.dtype):
             varlen = VarlenPrefill.build(batch.prefills, bs, dev)
         else:
-            chunks = [PrefillChunk(start, n, context, torch.tensor(table, device=dev))
+            chunks = [PrefillChunk(start, n, context, on_device(torch.tensor(table)))
                       for start, n, context, table in batch.prefills]
-        meta = AttentionMetadata(batch.slots.to(dev), batch.num_decodes, decode_tables, decode_mask, chunks,
+        meta = AttentionMetadata(on_device(batch.slots), batch.num_decodes, decode_tables, decode_mask, chunks,
                                  decode_lens, varlen)
-        return batch.input_ids.to(dev), batch.positions.to(dev), meta, batch.logits_indices.to(dev)
+        return on_device(batch.input_ids), on_device(batch.positions), meta, on_device(batch.logits_indices)
 
 
 def worker_main(config: EngineConfig, model_dir: str, max_seq_len: int, layout: ParallelLayout, init_method: str,

@@ -8,9 +8,13 @@ from tests.conftest import hf_greedy, make_engine, random_prompts
 PROMPT = random_prompts(1, 20, 20, vocab=256, seed=3)[0]
 
 
-@pytest.fixture(scope="module")
-def engine(tiny_llama_dir):
-    return make_engine(tiny_llama_dir)
+@pytest.fixture(scope="module", params=[False, True], ids=["serial", "overlapped"])
+def engine(tiny_llama_dir, request):
+    """Every behaviour with steps run one by one, and overlapped: step k + 1 queued before step k
+    is read back. Overlap is a CUDA default; on CPU it changes nothing but the bookkeeping checked here."""
+    engine = make_engine(tiny_llama_dir)
+    engine.overlap = request.param
+    return engine
 
 
 @pytest.fixture(scope="module")

@@ -41,6 +41,27 @@ def test_tensor_parallel_on_two_gpus_equals_one(tiny_llama_dir):
         assert a.outputs[0].logprobs == pytest.approx(b.outputs[0].logprobs, abs=1e-3)
 
 
+def test_overlapped_steps_equal_serial_steps(tiny_llama_dir):
+    """On CUDA steps overlap by default (step k + 1 queued before step k is read back): in float32,
+    a mixed load (greedy and seeded sampling, stops, n=2, one request that turns overlap off) gives
+    the serial engine's tokens, with the pool preempting."""
+    from tests.conftest import run_staggered
+    from tests.engine.test_overlap import _mixed_params
+
+    prompts = random_prompts(24, 3, 60, 256, seed=21)
+    runs = {}
+    for disable in (True, False):
+        engine = LLMEngine(EngineConfig(model=str(tiny_llama_dir), device="cuda", dtype="float32",
+                                        disable_overlap_scheduler=disable, scheduler_policy="MAX_UTILIZATION",
+                                        max_batch_size=16, max_num_tokens=96,
+                                        kv_cache_config={"max_tokens": 512, "tokens_per_block": 16}))
+        assert engine.overlap is not disable
+        outputs = run_staggered(engine, prompts, _mixed_params(len(prompts)), [i // 3 for i in range(len(prompts))])
+        runs[disable] = [[(c.token_ids, c.finish_reason) for c in out.outputs] for out in outputs]
+        assert engine.stats().used_blocks == 0
+    assert runs[False] == runs[True]
+
+
 def test_logprobs_within_bfloat16_tolerance(tiny_llama_dir):
     from transformers import AutoModelForCausalLM
 

@@ -6,7 +6,8 @@
 # to run, e.g. `STEPS="tests kernels smollm2-b1" bash tools/bench/gpu_suite.sh` (default: all).
 # BASE=<dir> also runs every benchmark step over another tree of this repo (e.g. main, from
 # `git archive main | tar -x -C .base`) just before this one, on the same card in the same call:
-# the before/after pair, as <step>-base.json beside <step>.json.
+# the before/after pair, as <step>-base.json beside <step>.json. BASE_FLAGS adds arguments to those
+# baseline runs (with BASE unset, over this same tree), e.g. BASE_FLAGS=--disable-overlap-scheduler.
 # Results land in ./gpu-results; where the device tool's $OUT is set they come back packed as
 # $OUT/gpu-results.tgz (it returns at most 8 files).
 set -uo pipefail
@@ -29,7 +30,8 @@ step() {  # limit name command...
 bench_step() {  # limit name benchmark arguments...
   local limit=$1 name=$2; shift 2
   wanted "$name" || return 0
-  [[ -n "${BASE:-}" ]] && run "$limit" "$out/$name-base.log" "$BASE" "${bench[@]}" "$@" --json "$out/$name-base.json"
+  [[ -n "${BASE:-}${BASE_FLAGS:-}" ]] && run "$limit" "$out/$name-base.log" "${BASE:-$root}" "${bench[@]}" "$@" \
+      ${BASE_FLAGS:-} --json "$out/$name-base.json"
   run "$limit" "$out/$name.log" "$root" "${bench[@]}" "$@" --json "$out/$name.json"
 }
 bench=(python tools/benchmark.py engine --load-format dummy --device cuda --dtype bfloat16 --ignore-eos)
@@ -49,13 +51,14 @@ bench_step 420 llama8b-1000 --model configs/shapes/llama-3.1-8b --num-requests 5
 step 420 llama8b-1000-fraction "${bench[@]}" --model configs/shapes/llama-3.1-8b --num-requests 512 \
      --concurrency 512 --max-batch-size 512 --max-num-tokens 8192 --kv-tokens 0 --input-len 1000 --output-len 1000 \
      --json "$out/llama8b-1000-fraction.json"
-# Where a batch-1 decode step's time goes (kernels by GPU time), over BASE too where it is set (copy
+# Where a decode step's time goes (kernels by GPU time), over BASE too where it is set (copy
 # tools/bench/profile_steps.py into a BASE tree older than it).
-profile_step() {  # name model
+profile_step() {  # name model batch
   wanted "$1" || return 0
-  local command=(python -m tools.bench.profile_steps --model "$2" --batch 1)
-  [[ -n "${BASE:-}" ]] && run 240 "$out/$1-base.log" "$BASE" "${command[@]}"
+  local command=(python -m tools.bench.profile_steps --model "$2" --batch "$3")
+  [[ -n "${BASE:-}${BASE_FLAGS:-}" ]] && run 240 "$out/$1-base.log" "${BASE:-$root}" "${command[@]}" ${BASE_FLAGS:-}
   run 240 "$out/$1.log" "$root" "${command[@]}"
 }
-profile_step profile-smollm2 configs/shapes/smollm2-135m
-profile_step profile-llama8b configs/shapes/llama-3.1-8b
+profile_step profile-smollm2 configs/shapes/smollm2-135m 1
+profile_step profile-llama8b configs/shapes/llama-3.1-8b 1
+profile_step profile-llama8b-512 configs/shapes/llama-3.1-8b 512

@@ -23,8 +23,10 @@ def main() -> None:
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--rows", type=int, default=15)
+    parser.add_argument("--disable-overlap-scheduler", action="store_true")
     args = parser.parse_args()
     engine = LLMEngine(EngineConfig(model=args.model, device="cuda", dtype="bfloat16", load_format="dummy",
+                                    disable_overlap_scheduler=args.disable_overlap_scheduler,
                                     max_batch_size=max(8, args.batch), max_num_tokens=8192,
                                     kv_cache_config={"max_tokens": args.batch * (args.input_len + 3 * args.steps + 64)}))
     params = SamplingParams(max_tokens=2 * args.steps + 16, temperature=0.0, ignore_eos=True)

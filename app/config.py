@@ -125,6 +125,8 @@ class ServiceConfig(_Strict):
     lora_roots: list[str] = Field(default_factory=list, description="directories adapters may be loaded from")
     lora_adapters: dict[str, str] = Field(default_factory=dict, description="adapter name -> path (under a root)")
     kv_cache_config: KvCacheSection = KvCacheSection()
+    disable_overlap_scheduler: bool = Field(EngineConfig.disable_overlap_scheduler, description="read each step "
+                                            "back before queuing the next (overlap is on by default on CUDA)")
     seed: int = EngineConfig.seed
     max_tokens_default: int = Field(64, ge=1, description="max_tokens when a request names none")
     max_input_len: int | None = Field(EngineConfig.max_input_len, ge=1, description="longest prompt accepted (tokens)")
@@ -202,6 +204,7 @@ class ServiceConfig(_Strict):
             enable_chunked_prefill=self.enable_chunked_prefill, scheduler_policy=self.scheduler_policy,
             batching_type=self.batching_type, max_beam_width=self.max_beam_width,
             kv_cache_config=KvCacheConfig(**self.kv_cache_config.model_dump()), seed=self.seed,
+            disable_overlap_scheduler=self.disable_overlap_scheduler,
             max_loras=self.max_loras, max_cpu_loras=self.max_cpu_loras, max_lora_rank=self.max_lora_rank,
             max_input_len=self.max_input_len, max_output_len=self.max_output_len,
             tensor_parallel_size=self.tensor_parallel_size, pipeline_parallel_size=self.pipeline_parallel_size)

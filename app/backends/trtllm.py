@@ -43,6 +43,8 @@ def llm_kwargs(config: ServiceConfig, model_dir: str) -> dict:
         kwargs["max_seq_len"] = config.max_seq_len
     if config.cuda_graph_config is not None:
         kwargs["cuda_graph_config"] = config.cuda_graph_config
+    if config.disable_overlap_scheduler:  # the PyTorch backend's argument of the same name
+        kwargs["disable_overlap_scheduler"] = True
     if config.speculative_config is not None:
         kwargs["speculative_config"] = config.speculative_config
     if config.world_size > 1:

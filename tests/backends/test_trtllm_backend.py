@@ -18,7 +18,7 @@ def backend(smollm2_dir, lora_root):
 
     config = service_config(smollm2_dir, backend="trtllm", cuda_graph_config={"max_batch_size": 16},
                             speculative_config={"decoding_type": "Lookahead", "max_window_size": 4},
-                            lora_roots=[str(lora_root)])
+                            disable_overlap_scheduler=True, lora_roots=[str(lora_root)])
     backend = TrtllmBackend(config, {"sql": str(lora_root / "sql")})
     yield backend
     backend.shutdown()
@@ -36,6 +36,7 @@ def test_config_keys_reach_llm_as_model_yaml_does(backend, smollm2_dir):
     assert args["speculative_config"]["decoding_type"] == "Lookahead"
     assert args["lora_config"] == {"max_lora_rank": 64, "max_loras": 8, "max_cpu_loras": 64}
     assert args["enable_chunked_prefill"] is True and args["trust_remote_code"] is False
+    assert args["disable_overlap_scheduler"] is True
 
 
 def test_every_sampling_field_maps(backend):

@@ -18,7 +18,8 @@ RequestOutput = GenerationResult
 # LlmArgs fields this fake understands; LlmArgs (pydantic, extra="forbid") refuses unknown ones.
 LLM_ARGS = {"pipeline_parallel_size", "max_batch_size", "max_num_tokens", "max_seq_len", "max_beam_width",
             "enable_chunked_prefill", "kv_cache_config", "scheduler_config", "cuda_graph_config",
-            "speculative_config", "enable_lora", "lora_config", "backend", "orchestrator_type"}
+            "speculative_config", "enable_lora", "lora_config", "backend", "orchestrator_type",
+            "disable_overlap_scheduler"}
 
 
 class LLM:

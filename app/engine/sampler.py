@@ -27,7 +27,6 @@ class DeviceSample:
 
     def __init__(self, token_ids: torch.Tensor, logprobs: torch.Tensor):
         self.token_ids = token_ids  # [rows] on the device: the next step's inputs can be read from here
-        self._logprobs = logprobs
         self._ready = None
         if token_ids.is_cuda:
             self._host_tokens = torch.empty(token_ids.shape, dtype=token_ids.dtype, pin_memory=True)

@@ -48,8 +48,8 @@ class VarlenPrefill:
                                   for _, _, context, table in prefills]).to(device, non_blocking=True)
 
         def cumulative(sizes):
-            return torch.tensor([0] + sizes, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(device,
-                                                                                               non_blocking=True)
+            starts = torch.tensor([0] + sizes, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+            return starts.to(device, non_blocking=True)
         return cls(cumulative(news), cumulative(contexts), max(news), max(contexts), kv_slots)
 
 

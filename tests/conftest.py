@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from app.engine import EngineConfig, LLMEngine
+from app.engine import EngineConfig, LLMEngine, SamplingParams
 from app.engine.model_loader import resolve_model_dir
 
 torch.set_num_threads(2)
@@ -93,6 +93,22 @@ def random_prompts(n: int, low: int, high: int, vocab: int, seed: int = 0) -> li
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(low, high + 1, (n,), generator=g).tolist()
     return [torch.randint(2, vocab, (length,), generator=g).tolist() for length in lengths]
+
+
+def mixed_sampling_params(count: int) -> list[SamplingParams]:
+    """Greedy and seeded sampling, n=2, end-of-sequence and stop-sequence stops, logprobs, short and
+    long max_tokens, and one request with a repetition penalty: while it runs, steps are not overlapped."""
+    params = []
+    for i in range(count):
+        p = dict(max_tokens=4 + (i * 7) % 29, logprobs=True, ignore_eos=i % 3 == 0)
+        if i % 2:
+            p.update(temperature=0.9, top_p=0.9, seed=100 + i, n=2 if i % 4 == 1 else 1)
+        else:
+            p.update(temperature=0.0, stop_token_ids=[[7, 9], [200]])
+        if i == 13:
+            p.update(repetition_penalty=1.3)
+        params.append(SamplingParams(**p))
+    return params
 
 
 def run_staggered(engine: LLMEngine, prompts: list[list[int]], params, arrivals: list[int]) -> list:

@@ -143,6 +143,9 @@ class LLMEngine:
             self._begin(plan)
             result = self.runner.execute(plan)
             self._computed(plan)
+            for row, seq in enumerate(result.seqs):
+                if seq.beam_group is None:  # beams advance from their candidates in _finish_rows
+                    seq.append_token(result.sampled.token_ids[row], result.sampled.logprobs[row])
             return self._finish_rows(plan, result.seqs, result.sampled)
         launched = None
         if not plan.is_empty:
@@ -188,10 +191,10 @@ class LLMEngine:
         for row, seq in enumerate(live):
             if seq is not None:
                 seq.resolve_pending(sampled.token_ids[row], sampled.logprobs[row])
-        return self._finish_rows(launched.plan, live, sampled, appended=True)
+        return self._finish_rows(launched.plan, live, sampled)
 
-    def _finish_rows(self, plan, seqs: list[Sequence | None], sampled, appended: bool = False) -> list[RequestOutput]:
-        """Hash the blocks the step filled, add the sampled tokens (unless already in place), check
+    def _finish_rows(self, plan, seqs: list[Sequence | None], sampled) -> list[RequestOutput]:
+        """With the sampled tokens in place: hash the blocks the step filled, advance beams, check
         stops and build the outputs. A None in `seqs` is a row to drop."""
         for item in plan.scheduled:
             if not item.seq.is_finished:  # an ended sequence has given its blocks back
@@ -199,15 +202,13 @@ class LLMEngine:
         touched: dict[str, Request] = {}
         beam_candidates: dict[int, tuple[BeamGroup, dict]] = {}
         for row, seq in enumerate(seqs):
-            if seq is None or seq.request_id not in self.requests:
+            if seq is None:
                 continue
             touched[seq.request_id] = self.requests[seq.request_id]
             if seq.beam_group is not None:
                 group_rows = beam_candidates.setdefault(id(seq.beam_group), (seq.beam_group, {}))[1]
                 group_rows[seq] = sampled.beam_candidates[row]
                 continue
-            if not appended:
-                seq.append_token(sampled.token_ids[row], sampled.logprobs[row])
             # (A sequence whose last token was queued at max_tokens has left the scheduler already.)
             if seq.check_stop() is not None and not seq.is_finished:
                 self.scheduler.remove(seq)

@@ -101,9 +101,7 @@ class Sequence:
         self.pending_row = row
 
     def resolve_pending(self, token_id: int, logprob: float) -> None:
-        self.token_ids.pop()
-        self.output_logprobs.pop()
-        self.pending_row = None
+        self.drop_pending()
         self.append_token(token_id, logprob)
 
     def drop_pending(self) -> None:

@@ -45,8 +45,7 @@ def test_overlapped_steps_equal_serial_steps(tiny_llama_dir):
     """On CUDA steps overlap by default (step k + 1 queued before step k is read back): in float32,
     a mixed load (greedy and seeded sampling, stops, n=2, one request that turns overlap off) gives
     the serial engine's tokens, with the pool preempting."""
-    from tests.conftest import run_staggered
-    from tests.engine.test_overlap import _mixed_params
+    from tests.conftest import mixed_sampling_params, run_staggered
 
     prompts = random_prompts(24, 3, 60, 256, seed=21)
     runs = {}
@@ -56,7 +55,8 @@ def test_overlapped_steps_equal_serial_steps(tiny_llama_dir):
                                         max_batch_size=16, max_num_tokens=96,
                                         kv_cache_config={"max_tokens": 512, "tokens_per_block": 16}))
         assert engine.overlap is not disable
-        outputs = run_staggered(engine, prompts, _mixed_params(len(prompts)), [i // 3 for i in range(len(prompts))])
+        arrivals = [i // 3 for i in range(len(prompts))]
+        outputs = run_staggered(engine, prompts, mixed_sampling_params(len(prompts)), arrivals)
         runs[disable] = [[(c.token_ids, c.finish_reason) for c in out.outputs] for out in outputs]
         assert engine.stats().used_blocks == 0
     assert runs[False] == runs[True]

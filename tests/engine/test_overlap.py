@@ -4,29 +4,13 @@ block back in the pool. Overlap is on by default only on CUDA; the bookkeeping i
 import pytest
 
 from app.engine import SamplingParams
-from tests.conftest import make_engine, random_prompts, run_staggered
+from tests.conftest import make_engine, mixed_sampling_params, random_prompts, run_staggered
 
 
 def _engine(tiny_llama_dir, overlap: bool, **overrides):
     engine = make_engine(tiny_llama_dir, **overrides)
     engine.overlap = overlap
     return engine
-
-
-def _mixed_params(count: int) -> list[SamplingParams]:
-    """Greedy and seeded sampling, n=2, end-of-sequence and stop-sequence stops, logprobs, short and
-    long max_tokens, and one request with a repetition penalty: while it runs, steps are not overlapped."""
-    params = []
-    for i in range(count):
-        p = dict(max_tokens=4 + (i * 7) % 29, logprobs=True, ignore_eos=i % 3 == 0)
-        if i % 2:
-            p.update(temperature=0.9, top_p=0.9, seed=100 + i, n=2 if i % 4 == 1 else 1)
-        else:
-            p.update(temperature=0.0, stop_token_ids=[[7, 9], [200]])
-        if i == 13:
-            p.update(repetition_penalty=1.3)
-        params.append(SamplingParams(**p))
-    return params
 
 
 def _completions(outputs) -> list:
@@ -37,7 +21,7 @@ def _completions(outputs) -> list:
 def test_overlapped_steps_give_the_same_outputs_as_serial_ones(tiny_llama_dir, pool_tokens, policy):
     """Staggered arrivals; the small pool preempts and recomputes under MAX_UTILIZATION."""
     prompts = random_prompts(24, 3, 60, vocab=256, seed=21)
-    params = _mixed_params(len(prompts))
+    params = mixed_sampling_params(len(prompts))
     arrivals = [i // 3 for i in range(len(prompts))]
     runs = {}
     for overlap in (False, True):

@@ -131,6 +131,12 @@ class ServiceConfig(_Strict):
     max_tokens_default: int = Field(64, ge=1, description="max_tokens when a request names none")
     max_input_len: int | None = Field(EngineConfig.max_input_len, ge=1, description="longest prompt accepted (tokens)")
     max_output_len: int | None = Field(EngineConfig.max_output_len, ge=1, description="largest max_tokens accepted")
+    max_return_sequences: int = Field(EngineConfig.max_return_sequences, ge=1, description="largest n, best_of "
+                                      "or num_return_sequences a request may ask for")
+    max_stop_words: int = Field(EngineConfig.max_stop_words, ge=1, description="most stop words, and most bad "
+                                "words, one request may send")
+    max_stop_word_len: int = Field(EngineConfig.max_stop_word_len, ge=1, description="longest stop or bad word "
+                                   "(characters as text, tokens as ids)")
     api_key: str | None = Field(None, description="clients send 'Authorization: Bearer <key>' on every route "
                                 "but health; the LLM_SERVE_API_KEY environment variable sets it too")
     max_request_bytes: int = Field(1 << 20, ge=1024, description="larger request bodies get 413")
@@ -207,6 +213,8 @@ class ServiceConfig(_Strict):
             disable_overlap_scheduler=self.disable_overlap_scheduler,
             max_loras=self.max_loras, max_cpu_loras=self.max_cpu_loras, max_lora_rank=self.max_lora_rank,
             max_input_len=self.max_input_len, max_output_len=self.max_output_len,
+            max_return_sequences=self.max_return_sequences, max_stop_words=self.max_stop_words,
+            max_stop_word_len=self.max_stop_word_len,
             tensor_parallel_size=self.tensor_parallel_size, pipeline_parallel_size=self.pipeline_parallel_size)
 
 

@@ -42,25 +42,34 @@ class EngineBackend(Protocol):
 
 class AdapterTable:
     """The adapters a replica knows: name -> path, and the integer id production backends key
-    their caches by (TensorRT-LLM's lora_int_id, Triton's lora_task_id). A new path under a known
-    name gets a new id, so a backend never serves stale weights from its cache."""
+    their caches by (TensorRT-LLM's lora_int_id, Triton's lora_task_id). A name, once bound to a
+    path (by the config or a first request), keeps it: requests in flight under a name must never
+    see its weights change, so another path under a used name is refused (409)."""
 
     def __init__(self):
         self.paths: dict[str, str] = {}
         self.ids: dict[str, int] = {}
         self._next_id = 1
 
-    def register(self, name: str, path: str) -> int:
-        if self.paths.get(name) != path:
-            self.paths[name] = path
-            self.ids[name] = self._next_id
+    def register(self, name: str, path: str, field: str = "lora_adapters") -> int:
+        bound = self.paths.get(name)
+        if bound is None:
+            self.paths[name], self.ids[name] = path, self._next_id
             self._next_id += 1
+        elif bound != path:
+            raise InvalidRequestError(field, f"LoRA adapter '{name}' is already bound to another path; a name "
+                                             "cannot be rebound: send the new adapter under a new name", status=409)
         return self.ids[name]
 
+    def unregister(self, name: str) -> None:
+        """Forget a binding whose adapter failed to load, so the name stays free."""
+        self.paths.pop(name, None)
+        self.ids.pop(name, None)
+
     def resolve(self, ref: AdapterRef) -> tuple[int, str]:
-        """(id, path) of the adapter a request names; a path on the request registers it."""
+        """(id, path) of the adapter a request names; a path on the request binds an unused name."""
         if ref.path is not None:
-            return self.register(ref.name, ref.path), ref.path
+            return self.register(ref.name, ref.path, ref.field), ref.path
         if ref.name not in self.paths:
             raise not_loaded(ref)
         return self.ids[ref.name], self.paths[ref.name]
@@ -98,7 +107,9 @@ class ServedModel:
             vocab_size=model.vocab_size, max_seq_len=max_seq_len, max_beam_width=config.max_beam_width,
             max_num_tokens=config.max_num_tokens, chunked_prefill=config.enable_chunked_prefill,
             max_cache_tokens=config.kv_cache_config.max_tokens or max_seq_len * config.max_batch_size,
-            max_input_len=config.max_input_len, max_output_len=config.max_output_len)
+            max_input_len=config.max_input_len, max_output_len=config.max_output_len,
+            max_return_sequences=config.max_return_sequences, max_stop_words=config.max_stop_words,
+            max_stop_word_len=config.max_stop_word_len)
 
     def end_ids(self, params: SamplingParams) -> tuple[int, list[int]]:
         """The end id to send (the request's, else the model's first) and the model's other end ids,

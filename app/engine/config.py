@@ -65,6 +65,11 @@ class EngineConfig:
     load_format: str = "auto"  # "dummy": random weights from config.json alone (speed runs without downloads)
     max_input_len: int | None = None  # longest prompt accepted (tokens); default: max_seq_len - 1
     max_output_len: int | None = None  # largest max_tokens accepted; default: what max_seq_len leaves
+    # What one request may ask for, so that no single request can hold the engine (or every step's
+    # sampler) for long: 10,000 return sequences or 60,000 bad words are refused, not run.
+    max_return_sequences: int = 16  # n, best_of, num_return_sequences
+    max_stop_words: int = 64  # stop sequences, and bad-word sequences, per request
+    max_stop_word_len: int = 256  # tokens per stop or bad word (characters, for words sent as text)
     # Ranks = tp x pp: rank 0 is the engine's own process, the others are started by a WorkerLauncher.
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
@@ -75,7 +80,8 @@ class EngineConfig:
         self.scheduler_policy = SchedulerPolicy(self.scheduler_policy)
         self.batching_type = BatchingType(self.batching_type)
         for name in ("max_batch_size", "max_num_tokens", "max_beam_width", "max_loras", "max_cpu_loras",
-                     "max_lora_rank", "tensor_parallel_size", "pipeline_parallel_size"):
+                     "max_lora_rank", "tensor_parallel_size", "pipeline_parallel_size", "max_return_sequences",
+                     "max_stop_words", "max_stop_word_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.load_format not in ("auto", "dummy"):

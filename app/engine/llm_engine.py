@@ -15,7 +15,7 @@ from app.engine.executor import WorkerLauncher
 from app.engine.model_loader import read_model_config, resolve_model_dir
 from app.engine.model_runner import LaunchedStep, ModelRunner
 from app.engine.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput
-from app.engine.sampling_params import RequestLimits, SamplingParams, validate_request
+from app.engine.sampling_params import SEED_LIMIT, RequestLimits, SamplingParams, validate_request
 from app.engine.scheduler import Scheduler, SchedulerLimits
 from app.engine.sequence import FinishReason, Sequence
 
@@ -61,7 +61,8 @@ class LLMEngine:
             vocab_size=model_cfg.vocab_size, max_seq_len=self.max_seq_len, max_beam_width=config.max_beam_width,
             max_num_tokens=config.max_num_tokens, chunked_prefill=config.enable_chunked_prefill,
             max_cache_tokens=self.runner.num_blocks * kv.tokens_per_block, max_input_len=config.max_input_len,
-            max_output_len=config.max_output_len)
+            max_output_len=config.max_output_len, max_return_sequences=config.max_return_sequences,
+            max_stop_words=config.max_stop_words, max_stop_word_len=config.max_stop_word_len)
         self.eos_ids = frozenset(model_cfg.eos_token_ids)
         self.requests: dict[str, Request] = {}
         self._seq_ids = itertools.count()
@@ -104,7 +105,7 @@ class LLMEngine:
     def _generator(self, params: SamplingParams, index: int) -> torch.Generator | None:
         if params.seed is None or params.greedy:
             return None
-        return torch.Generator(self.runner.device).manual_seed(params.seed + index)
+        return torch.Generator(self.runner.device).manual_seed((params.seed + index) % SEED_LIMIT)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request now; its KV blocks go back to the pool before this returns."""

@@ -1,16 +1,21 @@
 """Per-request generation parameters and their validation against the engine's limits."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from app.engine.errors import InvalidRequestError
+
+# Below this a temperature divides logits into infinities and NaNs; it means greedy (vLLM's rule).
+MIN_SAMPLING_TEMPERATURE = 1e-5
+SEED_LIMIT = 1 << 64  # torch generators take unsigned 64-bit seeds
 
 
 @dataclass
 class SamplingParams:
     """Token-level parameters of one request (TensorRT-LLM SamplingParams semantics, ids not text).
 
-    temperature 0 (or top_k 1) means greedy. Stop and bad words are token-id sequences; a stop
+    temperature 0 (or below MIN_SAMPLING_TEMPERATURE, or top_k 1) means greedy. Stop and bad words are token-id sequences; a stop
     sequence ends generation and is cut from the output. Logprobs are the model's raw log-softmax
     of the chosen token, before penalties and temperature (what vLLM returns by default).
     """
@@ -37,7 +42,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        return self.temperature < MIN_SAMPLING_TEMPERATURE or self.top_k == 1
 
     @property
     def needs_penalties(self) -> bool:
@@ -56,6 +61,9 @@ class RequestLimits:
     max_cache_tokens: int
     max_input_len: int | None = None  # operator caps from the config (None: only the model's limits)
     max_output_len: int | None = None
+    max_return_sequences: int = 16
+    max_stop_words: int = 64
+    max_stop_word_len: int = 256
 
 
 def _check(ok: bool, field_name: str, message: str) -> None:
@@ -63,10 +71,14 @@ def _check(ok: bool, field_name: str, message: str) -> None:
         raise InvalidRequestError(field_name, message)
 
 
-def _check_token_lists(name: str, seqs: list[list[int]], vocab_size: int) -> None:
+def _check_token_lists(name: str, seqs: list[list[int]], limits: RequestLimits) -> None:
+    _check(len(seqs) <= limits.max_stop_words, name,
+           f"{len(seqs)} sequences exceed this server's max_stop_words of {limits.max_stop_words}")
     for seq in seqs:
         _check(len(seq) > 0, name, "must not contain an empty sequence")
-        _check(all(0 <= t < vocab_size for t in seq), name, f"token ids must be in [0, {vocab_size})")
+        _check(len(seq) <= limits.max_stop_word_len, name, f"a sequence of {len(seq)} tokens exceeds this "
+                                                           f"server's max_stop_word_len of {limits.max_stop_word_len}")
+        _check(all(0 <= t < limits.vocab_size for t in seq), name, f"token ids must be in [0, {limits.vocab_size})")
 
 
 def validate_request(prompt_token_ids: list[int], p: SamplingParams, limits: RequestLimits) -> None:
@@ -91,21 +103,25 @@ def validate_request(prompt_token_ids: list[int], p: SamplingParams, limits: Req
     if not limits.chunked_prefill:
         _check(n_prompt <= limits.max_num_tokens, "prompt",
                f"{n_prompt} tokens exceed max_num_tokens {limits.max_num_tokens} (chunked prefill is off)")
+    for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
+                 "length_penalty"):
+        _check(math.isfinite(getattr(p, name)), name, "must be a finite number")
     _check(p.temperature >= 0.0, "temperature", "must be >= 0")
-    _check(p.top_k >= 0, "top_k", "must be >= 0")
+    _check(0 <= p.top_k <= limits.vocab_size, "top_k", f"must be in [0, {limits.vocab_size}] (the vocabulary)")
     _check(0.0 < p.top_p <= 1.0, "top_p", "must be in (0, 1]")
     _check(0.0 <= p.min_p <= 1.0, "min_p", "must be in [0, 1]")
     _check(p.repetition_penalty > 0.0, "repetition_penalty", "must be > 0")
     _check(-2.0 <= p.presence_penalty <= 2.0, "presence_penalty", "must be in [-2, 2]")
     _check(-2.0 <= p.frequency_penalty <= 2.0, "frequency_penalty", "must be in [-2, 2]")
     _check(0 <= p.min_tokens <= p.max_tokens, "min_tokens", f"must be in [0, max_tokens={p.max_tokens}]")
-    _check(p.n >= 1, "n", "must be at least 1")
+    _check(1 <= p.n <= limits.max_return_sequences, "n",
+           f"must be in [1, {limits.max_return_sequences}] (this server's max_return_sequences)")
     _check(1 <= p.beam_width <= limits.max_beam_width, "beam_width", f"must be in [1, {limits.max_beam_width}]")
     if p.beam_width > 1:
         _check(p.n <= p.beam_width, "n", f"must not exceed beam_width ({p.beam_width}) with beam search")
     for name in ("end_id", "pad_id"):
         value = getattr(p, name)
         _check(value is None or 0 <= value < limits.vocab_size, name, f"must be in [0, {limits.vocab_size})")
-    _check(p.seed is None or p.seed >= 0, "seed", "must be >= 0")
-    _check_token_lists("stop_token_ids", p.stop_token_ids, limits.vocab_size)
-    _check_token_lists("bad_token_ids", p.bad_token_ids, limits.vocab_size)
+    _check(p.seed is None or 0 <= p.seed < SEED_LIMIT, "seed", "must be in [0, 2**64)")
+    _check_token_lists("stop_token_ids", p.stop_token_ids, limits)
+    _check_token_lists("bad_token_ids", p.bad_token_ids, limits)

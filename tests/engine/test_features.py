@@ -165,12 +165,29 @@ def test_perf_metrics_are_ordered(engine):
     ("end_id", {"end_id": 256}, PROMPT),
     ("stop_token_ids", {"stop_token_ids": [[]]}, PROMPT),
     ("bad_token_ids", {"bad_token_ids": [[999]]}, PROMPT),
+    ("top_k", {"top_k": 2 ** 63}, PROMPT),  # overflowed in the sampler and killed the loop
+    ("top_k", {"top_k": 257}, PROMPT),
+    ("seed", {"seed": 2 ** 64, "temperature": 1.0}, PROMPT),
+    ("n", {"n": 10_000}, PROMPT),
+    ("temperature", {"temperature": float("inf")}, PROMPT),
+    ("length_penalty", {"length_penalty": float("nan")}, PROMPT),
+    ("stop_token_ids", {"stop_token_ids": [[5]] * 65}, PROMPT),
+    ("bad_token_ids", {"bad_token_ids": [[5] * 257]}, PROMPT),
 ])
 def test_bad_requests_name_the_field_and_engine_keeps_running(engine, greedy_tokens, field, params, prompt):
     with pytest.raises(InvalidRequestError) as err:
         engine.add_request("bad", prompt, SamplingParams(**params))
     assert err.value.field == field and field in str(err.value)
     assert _generate(engine, max_tokens=24, temperature=0.0, ignore_eos=True).outputs[0].token_ids == greedy_tokens
+
+
+def test_tiny_temperatures_are_greedy_and_large_seeds_reduce(engine, greedy_tokens):
+    """1e-300 divides logits into NaNs; vLLM treats such temperatures as greedy, and so do we. A
+    seed near 2**64 plus the output index wraps instead of overflowing the generator."""
+    out = _generate(engine, max_tokens=24, temperature=1e-300, ignore_eos=True)
+    assert out.outputs[0].token_ids == greedy_tokens
+    out = _generate(engine, max_tokens=4, temperature=0.8, seed=2 ** 64 - 1, n=2)
+    assert [len(o.token_ids) for o in out.outputs] == [4, 4]
 
 
 def test_limits_are_named_in_messages(engine):

@@ -17,11 +17,17 @@ class AdapterPolicy:
         self.named = dict(named)
 
     def resolve(self, ref: AdapterRef) -> AdapterRef:
-        """The adapter with an absolute, allowed path (or none: the engine may hold it already)."""
-        if ref.path is None:
-            configured = self.named.get(ref.name)
-            return AdapterRef(ref.name, self._allowed(configured, "lora_adapters") if configured else None, ref.field)
-        return AdapterRef(ref.name, self._allowed(ref.path, "lora_path"), ref.field)
+        """The adapter with an absolute, allowed path (or none: the engine may hold it already).
+        A configured name keeps its configured path: another one is refused (409), not loaded."""
+        path = self._allowed(ref.path, "lora_path") if ref.path is not None else None
+        configured = self.named.get(ref.name)
+        if configured is not None:
+            configured = self._allowed(configured, "lora_adapters")
+            if path not in (None, configured):
+                raise InvalidRequestError(ref.field, f"LoRA adapter '{ref.name}' is configured with another path; "
+                                                     "a name cannot be rebound: use a new name", status=409)
+            path = configured
+        return AdapterRef(ref.name, path, ref.field)
 
     def _allowed(self, path: str, field: str) -> str:
         if not self.roots:

@@ -5,7 +5,7 @@ import os
 
 import torch
 
-from app.backends.base import AdapterTable, not_loaded
+from app.backends.base import AdapterTable
 from app.config import ServiceConfig
 from app.engine import AsyncLLMEngine, LLMEngine, SamplingParams
 from app.engine.executor import WorkerLauncher
@@ -34,16 +34,23 @@ class TorchBackend:
             yield output
 
     async def _load(self, adapter: AdapterRef) -> None:
-        known = self.adapters.paths.get(adapter.name)
-        if adapter.path is None:
-            if known is None or not self.engine.has_lora(adapter.name):
-                raise not_loaded(adapter)
-        elif known != adapter.path or not self.engine.has_lora(adapter.name):
-            await self.add_lora(adapter.name, adapter.path)
+        """Bind the name (at once, before any await: two first uses cannot race to two paths) and
+        load it where the engine does not hold it: its first use, or after the host cache evicted it,
+        from the path it was bound to."""
+        new = adapter.name not in self.adapters.paths
+        _, path = self.adapters.resolve(adapter)
+        if self.engine.has_lora(adapter.name):
+            return
+        try:
+            await self.engine.add_lora(adapter.name, path)
+        except Exception:
+            if new:
+                self.adapters.unregister(adapter.name)
+            raise
 
     async def add_lora(self, name: str, path: str) -> None:
-        await self.engine.add_lora(name, path)
         self.adapters.register(name, path)
+        await self.engine.add_lora(name, path)
 
     def stats(self) -> dict:
         stats = self.engine.stats()

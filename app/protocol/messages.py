@@ -1,8 +1,10 @@
 """What travels between the DAG's stages: front-end neutral, picklable, small."""
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
+from app.engine.errors import InvalidRequestError
 from app.engine.outputs import RequestMetrics
 from app.engine.sampling_params import SamplingParams
 
@@ -29,6 +31,30 @@ class GenerationJob:
     bad_words: list[str] = field(default_factory=list)
     adapter: AdapterRef | None = None
     api: str = "triton"  # the front end that took it: "triton" or "openai" (a metrics label)
+
+
+# Adapter names route requests (Serve's multiplexed model id travels in ASCII metadata) and key
+# caches; printable ASCII without spaces keeps them safe everywhere they go.
+ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@/+-]{0,127}")
+
+
+def check_job(job: GenerationJob, max_stop_words: int, max_stop_word_len: int) -> None:
+    """What the ingress refuses before any stage runs, on every route: too many or too long stop
+    and bad words (each word is tokenized, held back while streaming and matched at every step),
+    and adapter names that could not travel as routing keys."""
+    stop_field = "stop" if job.api == "openai" else "stop_words"
+    for name, words, ids in ((stop_field, job.stop, job.params.stop_token_ids),
+                             ("bad_words", job.bad_words, job.params.bad_token_ids)):
+        if len(words) + len(ids) > max_stop_words:
+            raise InvalidRequestError(name, f"{len(words) + len(ids)} words exceed this server's max_stop_words "
+                                            f"of {max_stop_words}")
+        longest = max(map(len, words), default=0)
+        if longest > max_stop_word_len:
+            raise InvalidRequestError(name, f"a word of {longest} characters exceeds this server's "
+                                            f"max_stop_word_len of {max_stop_word_len}")
+    if job.adapter is not None and not ADAPTER_NAME.fullmatch(job.adapter.name):
+        raise InvalidRequestError(job.adapter.field, "an adapter name is 1-128 characters of letters, digits and "
+                                                     "._:@/+- (starting with a letter or digit)")
 
 
 @dataclass

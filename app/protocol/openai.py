@@ -22,7 +22,7 @@ class _Request(BaseModel):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0)
     min_p: float = Field(0.0, ge=0.0, le=1.0)
-    n: int = Field(1, ge=1, le=16)
+    n: int = Field(1, ge=1)  # the engine caps it (max_return_sequences)
     stream: bool = False
     stop: str | list[str] | None = None
     seed: int | None = Field(None, ge=0)

@@ -4,14 +4,6 @@ from __future__ import annotations
 
 from pydantic import BaseModel
 
-KSERVE_INFER = {"type": "object", "required": ["inputs"], "properties": {
-    "id": {"type": "string"},
-    "parameters": {"type": "object"},
-    "inputs": {"type": "array", "items": {"type": "object", "required": ["name", "data"], "properties": {
-        "name": {"type": "string"}, "shape": {"type": "array", "items": {"type": "integer"}},
-        "datatype": {"type": "string"}, "data": {"type": "array"}}}},
-    "outputs": {"type": "array", "items": {"type": "object", "properties": {"name": {"type": "string"}}}}}}
-
 
 def _inline(node, defs: dict):
     """The schema with every local $ref replaced by its definition (OpenAPI resolves '#/...'
@@ -25,11 +17,8 @@ def _inline(node, defs: dict):
     return node
 
 
-def body(schema: type[BaseModel] | dict) -> dict:
+def body(schema: type[BaseModel]) -> dict:
     """`openapi_extra` for a route whose JSON body follows `schema`."""
-    if isinstance(schema, dict):
-        resolved = schema
-    else:
-        raw = schema.model_json_schema()
-        resolved = _inline(raw, raw.get("$defs", {}))
+    raw = schema.model_json_schema()
+    resolved = _inline(raw, raw.get("$defs", {}))
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": resolved}}}}

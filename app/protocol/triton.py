@@ -7,6 +7,7 @@ Fields may sit at the top level or under "parameters" (Triton merges both).
 """
 from __future__ import annotations
 
+import math
 import uuid
 from typing import Any
 
@@ -199,18 +200,78 @@ def generate_response(model: str, req: TritonGenerateRequest, chunk: TextChunk, 
     return out
 
 
+# KServe v2 datatypes -> the JSON values their data may hold (bool is an int in Python: kept apart)
+DATATYPES = {"BOOL": (bool,), "BYTES": (str,), "BF16": (float, int), "FP16": (float, int), "FP32": (float, int),
+             "FP64": (float, int), **{f"{s}INT{b}": (int,) for s in ("", "U") for b in (8, 16, 32, 64)}}
+
+
+class InferTensor(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(min_length=1, max_length=64)
+    shape: list[int] | None = None
+    datatype: str | None = None
+    data: list
+    parameters: dict[str, Any] | None = None
+
+
+class InferOutput(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(min_length=1, max_length=64)
+    parameters: dict[str, Any] | None = None
+
+
+class InferRequest(BaseModel):
+    """KServe v2 /infer, JSON tensors (the binary-data extension is not taken)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    id: str | None = Field(None, max_length=256)
+    parameters: dict[str, Any] | None = None
+    inputs: list[InferTensor] = Field(min_length=1)
+    outputs: list[InferOutput] | None = None
+
+
 def infer_to_generate_body(body: Any) -> tuple[dict, str | None, list[str] | None]:
     """KServe v2 /infer: tensors in -> a generate body; also the request id and the outputs asked for."""
-    if not isinstance(body, dict) or not isinstance(body.get("inputs"), list):
-        raise InvalidRequestError("inputs", "is required: a list of {name, shape, datatype, data}")
-    fields = dict(body.get("parameters") or {})
-    for tensor in body["inputs"]:
-        if not isinstance(tensor, dict) or "name" not in tensor or "data" not in tensor:
-            raise InvalidRequestError("inputs", "each input needs a name and data")
-        data = tensor["data"]
-        fields[tensor["name"]] = data if tensor["name"] in LIST_FIELDS else _one(data)
-    wanted = [o["name"] for o in body.get("outputs") or [] if isinstance(o, dict) and "name" in o] or None
-    return fields, body.get("id"), wanted
+    try:
+        req = InferRequest.model_validate(body)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        where = ".".join(str(p) for p in err["loc"]) or "body"
+        raise InvalidRequestError(where, "is not a field of /infer" if err["type"] == "extra_forbidden"
+                                  else err["msg"]) from None
+    fields = dict(req.parameters or {})
+    for i, tensor in enumerate(req.inputs):
+        _check_tensor(tensor, f"inputs.{i}")
+        if tensor.name in fields:
+            raise InvalidRequestError(f"inputs.{i}.name", f"'{tensor.name}' is given twice")
+        fields[tensor.name] = tensor.data if tensor.name in LIST_FIELDS else _one(tensor.data)
+    wanted = [o.name for o in req.outputs] if req.outputs else None
+    return fields, req.id, wanted
+
+
+def _check_tensor(tensor: InferTensor, where: str) -> None:
+    """Data must fill the shape (row-major, nested or flat) with values of the datatype."""
+    flat = _flatten(tensor.data)
+    if tensor.shape is not None:
+        if any(d < 0 for d in tensor.shape):
+            raise InvalidRequestError(f"{where}.shape", "dimensions must be >= 0")
+        if math.prod(tensor.shape) != len(flat):
+            raise InvalidRequestError(f"{where}.shape", f"{tensor.shape} holds {math.prod(tensor.shape)} elements "
+                                                        f"but data has {len(flat)}")
+    if tensor.datatype is not None:
+        kinds = DATATYPES.get(tensor.datatype)
+        if kinds is None:
+            raise InvalidRequestError(f"{where}.datatype", f"'{tensor.datatype}' is not a KServe v2 datatype; "
+                                                           f"one of {', '.join(DATATYPES)}")
+        if any(not isinstance(v, kinds) or (isinstance(v, bool) and bool not in kinds) for v in flat):
+            raise InvalidRequestError(f"{where}.data", f"holds a value that is not {tensor.datatype}")
+
+
+def _flatten(data: list) -> list:
+    return [x for value in data for x in (_flatten(value) if isinstance(value, list) else (value,))]
 
 
 def _tensor(name: str, value) -> dict:

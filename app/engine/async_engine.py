@@ -62,15 +62,14 @@ class AsyncLLMEngine:
                        adapter_id: str | None = None) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs as they are produced; the last has finished=True.
         Raises InvalidRequestError before the first output; leaving the iteration early aborts."""
-        if self._dead is not None:
-            raise EngineDeadError(f"engine loop died: {self._dead!r}")
         validate_request(prompt_token_ids, params, self.engine.limits)
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         with self._lock:
+            self._raise_if_dead()
             if request_id in self._streams:
                 raise InvalidRequestError("request_id", f"{request_id!r} is already in flight")
             self._streams[request_id] = stream
-        self._commands.put((Command.ADD, (request_id, prompt_token_ids, params, adapter_id, time.time_ns())))
+            self._commands.put((Command.ADD, (request_id, prompt_token_ids, params, adapter_id, time.time_ns())))
         finished = False
         try:
             while not finished:
@@ -86,8 +85,14 @@ class AsyncLLMEngine:
     async def add_lora(self, name: str, path: str) -> None:
         """Register an adapter on the loop thread (the only one touching the engine)."""
         done: concurrent.futures.Future = concurrent.futures.Future()
-        self._commands.put((Command.ADD_LORA, (name, path, done)))
+        with self._lock:  # the loop's death fails what is queued under this lock: nothing waits forever
+            self._raise_if_dead()
+            self._commands.put((Command.ADD_LORA, (name, path, done)))
         await asyncio.wrap_future(done)
+
+    def _raise_if_dead(self) -> None:
+        if self._dead is not None:
+            raise EngineDeadError(f"engine loop died: {type(self._dead).__name__}")
 
     def has_lora(self, name: str) -> bool:
         return name in self.engine.runner.loras
@@ -124,11 +129,23 @@ class AsyncLLMEngine:
                     self._deliver(output)
         except BaseException as exc:  # noqa: BLE001 - any escape means the engine is gone
             logger.exception("engine loop died")
+            self._fail_everything(exc)
+
+    def _fail_everything(self, exc: BaseException) -> None:
+        """Every open stream and every queued adapter load fails now, none is left waiting."""
+        dead = EngineDeadError(f"engine loop died: {type(exc).__name__}")
+        with self._lock:
             self._dead = exc
-            with self._lock:
-                streams, self._streams = list(self._streams.values()), {}
-            for stream in streams:
-                stream.put(EngineDeadError(f"engine loop died: {exc!r}"))
+            streams, self._streams = list(self._streams.values()), {}
+            while True:
+                try:
+                    command, arg = self._commands.get_nowait()
+                except queue.Empty:
+                    break
+                if command is Command.ADD_LORA:
+                    arg[2].set_exception(dead)
+        for stream in streams:
+            stream.put(dead)
 
     def _apply_commands(self, block: bool) -> bool:
         while True:

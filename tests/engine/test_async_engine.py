@@ -74,6 +74,15 @@ def test_a_dead_loop_fails_every_stream(tiny_llama_dir):
     results = asyncio.run(main())
     assert all(isinstance(r, EngineDeadError) for r in results)
     assert not front.healthy
+
+    async def after_death():  # nothing sent to a dead loop waits for it: each fails at once
+        started = asyncio.get_running_loop().time()
+        for call in (front.add_lora("x", "/nowhere"), _collect(front, "late", PROMPTS[0], SamplingParams())):
+            with pytest.raises(EngineDeadError):
+                await asyncio.wait_for(call, timeout=5)
+        return asyncio.get_running_loop().time() - started
+
+    assert asyncio.run(after_death()) < 1.0
     front.shutdown()
 
 

@@ -9,6 +9,7 @@ from app.engine.model_loader import resolve_model_dir
 from app.protocol.messages import TextChunk, TextOutput, TokenizedJob, merge_chunks
 from app.streaming import StreamPacer
 from app.text import IncrementalDetokenizer, Tokenizer
+from deployments.consumers import ConsumerWatch, own_name
 
 
 @serve.deployment(name="Detokenizer")
@@ -17,16 +18,23 @@ class DetokenizerDeployment:
         self.tokenizer = Tokenizer(resolve_model_dir(config.model))
         self.engine = engine
         self.pacer = StreamPacer(config.serve.detokenizer.stream_interval_ms)
+        self.consumers = ConsumerWatch()
+        self.name = own_name()
 
-    async def generate(self, job: TokenizedJob):
-        async for chunk in self.pacer.pace(self._text(job), merge_chunks):
+    async def generate(self, job: TokenizedJob, consumer: str | None = None):
+        """Text chunks of the job; the death of the `consumer` replica cancels the stream (and so the
+        engine's request)."""
+        async for chunk in self.pacer.pace(self.consumers.guard(consumer, self._text(job)), merge_chunks):
             yield chunk
+
+    def ready(self) -> bool:
+        return True
 
     async def _text(self, job: TokenizedJob):
         # Requests for an adapter go to the engine replicas that already hold it (Serve multiplexing).
         options = {"stream": True, "multiplexed_model_id": job.adapter.name} if job.adapter else {"stream": True}
         stream = self.engine.generate.options(**options).remote(job.request_id, job.prompt_token_ids, job.params,
-                                                                job.adapter)
+                                                                job.adapter, self.name)
         detoks: dict[int, IncrementalDetokenizer] = {}
         try:
             async for out in stream:

@@ -10,6 +10,7 @@ from app.engine import SamplingParams
 from app.engine.llm_engine import merge_outputs
 from app.protocol.messages import AdapterRef
 from app.streaming import StreamPacer
+from deployments.consumers import ConsumerWatch
 from deployments.metrics import EngineMetrics
 from deployments.workers import PlacementGroupLauncher, placement_of_this_process
 
@@ -27,14 +28,16 @@ class EngineDeployment:
             self.launcher = PlacementGroupLauncher(config.device)
         self.backend = create_backend(config, adapters, self.launcher)
         self.pacer = StreamPacer(config.serve.engine.stream_interval_ms)
+        self.consumers = ConsumerWatch()
         self.metrics = EngineMetrics(config.name, self.backend.stats)
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       adapter: AdapterRef | None = None):
-        """Stream RequestOutput deltas, coalesced by time; cancelling the stream aborts the request."""
+                       adapter: AdapterRef | None = None, consumer: str | None = None):
+        """Stream RequestOutput deltas, coalesced by time; cancelling the stream, or the death of
+        the `consumer` replica, aborts the request."""
         if adapter is not None:
             await self._mark_resident(serve.get_multiplexed_model_id())
-        source = self.backend.generate(request_id, prompt_token_ids, params, adapter)
+        source = self.consumers.guard(consumer, self.backend.generate(request_id, prompt_token_ids, params, adapter))
         async for output in self.pacer.pace(source, merge_outputs):
             yield output
 

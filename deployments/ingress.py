@@ -8,6 +8,7 @@ import asyncio
 import json
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
@@ -19,10 +20,12 @@ from ray.serve.handle import DeploymentHandle
 
 from app.adapters import AdapterPolicy
 from app.config import ServiceConfig
-from app.engine.errors import BackendError, InvalidRequestError
+from app.engine.errors import BackendError, EngineDeadError, InvalidRequestError
 from app.protocol import openai, openapi, triton
-from app.protocol.messages import AdapterRef, GenerationJob, TextChunk, merge_chunks
+from app.protocol.body import parse_body
+from app.protocol.messages import AdapterRef, GenerationJob, TextChunk, check_job, merge_chunks
 from app.security import api_key, refusal
+from deployments.consumers import own_name
 from deployments.metrics import IngressMetrics
 
 logger = logging.getLogger("ray.serve")
@@ -58,8 +61,12 @@ def _status(exc: BaseException) -> tuple[int, str]:
         return 503, "server is at capacity; retry later"
     if _behind(exc, RayActorError) is not None:
         return 503, "a replica serving this request died; it is being replaced, retry"
-    logger.exception("request failed", exc_info=exc)
-    return 500, f"internal error: {type(exc).__name__}"
+    if _behind(exc, EngineDeadError) is not None:
+        return 503, "the engine of the replica serving this request stopped; it is being replaced, retry"
+    # The message must not leak internals (paths, tracebacks): the log has them, under this id.
+    incident = uuid.uuid4().hex[:16]
+    logger.error("request failed: incident %s", incident, exc_info=exc)
+    return 500, f"internal error ({type(exc).__name__}); the server log holds its details under incident {incident}"
 
 
 def _sse(obj) -> bytes:
@@ -95,6 +102,7 @@ class Ingress:
         self.engine = engine
         self.adapters = AdapterPolicy(config.lora_roots, config.lora_adapters)
         self.metrics = IngressMetrics(config.name)
+        self.replica_name = own_name()  # the stages it streams from watch it, to stop if it dies
         api.state.api_key = api_key(config.api_key)
         api.state.max_request_bytes = config.max_request_bytes
 
@@ -106,18 +114,16 @@ class Ingress:
             if len(body) > self.config.max_request_bytes:
                 raise InvalidRequestError("body", f"exceeds the limit of {self.config.max_request_bytes} bytes",
                                           status=413)
-        try:
-            return json.loads(body)
-        except ValueError:
-            raise InvalidRequestError("body", "is not valid JSON") from None
+        return parse_body(bytes(body))
 
     # -- the DAG -----------------------------------------------------------------------------------
     async def _chunks(self, job: GenerationJob) -> AsyncIterator[tuple[TextChunk, list[int]]]:
+        check_job(job, self.config.max_stop_words, self.config.max_stop_word_len)
         if job.adapter is not None:
             job.adapter = self.adapters.resolve(job.adapter)  # refuses paths outside the roots, unopened
         started, first, finished, num_output = time.monotonic(), None, False, 0
         tokenized = await self.tokenizer.tokenize.remote(job)
-        stream = self.detokenizer.generate.options(stream=True).remote(tokenized)
+        stream = self.detokenizer.generate.options(stream=True).remote(tokenized, self.replica_name)
         try:
             async for chunk in stream:
                 first = first or time.monotonic()
@@ -177,10 +183,11 @@ class Ingress:
 
     @api.get("/v2/health/ready")
     async def ready(self):
-        """Ready when an engine replica answers, healthy, within a couple of seconds (not while the
-        model loads or a dead replica is being replaced)."""
+        """Ready when every stage answers within a couple of seconds and the engine is healthy (not
+        while the model loads or a dead replica of any stage is being replaced)."""
+        checks = (self.engine.stats.remote(), self.tokenizer.ready.remote(), self.detokenizer.ready.remote())
         try:
-            stats = await asyncio.wait_for(self.engine.stats.remote(), timeout=READY_TIMEOUT_S)
+            stats, *_ = await asyncio.wait_for(asyncio.gather(*checks), timeout=READY_TIMEOUT_S)
         except Exception:  # noqa: BLE001 - no answer in time is not ready
             return Response(status_code=503)
         return Response(status_code=200 if stats["healthy"] else 503)
@@ -240,8 +247,8 @@ class Ingress:
             job, lambda chunk, ids: triton.generate_response(model, req, chunk, "", ids, final=chunk.finished),
             openai_style=False)
 
-    @api.post("/v2/models/{model}/infer", openapi_extra=openapi.body(openapi.KSERVE_INFER))
-    @api.post("/v2/models/{model}/versions/{version}/infer", openapi_extra=openapi.body(openapi.KSERVE_INFER))
+    @api.post("/v2/models/{model}/infer", openapi_extra=openapi.body(triton.InferRequest))
+    @api.post("/v2/models/{model}/versions/{version}/infer", openapi_extra=openapi.body(triton.InferRequest))
     async def infer(self, model: str, request: Request, version: str = triton.MODEL_VERSION):
         """KServe v2 inference with the ensemble's tensors (text_input, max_tokens, ... -> text_output)."""
         try:

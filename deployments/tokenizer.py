@@ -16,6 +16,9 @@ class TokenizerDeployment:
     def __init__(self, model: str):
         self.tokenizer = Tokenizer(resolve_model_dir(model))
 
+    def ready(self) -> bool:
+        return True
+
     def tokenize(self, job: GenerationJob) -> TokenizedJob:
         if job.messages is not None:
             try:

@@ -124,10 +124,55 @@ def test_replica_killed_mid_stream_ends_the_stream_and_is_replaced(ops, deployme
     else:
         assert rest and "error" in rest[-1] and "replica" in rest[-1]["error"], rest[-1:]
         assert ended_after < 10
-        if deployment == "Engine":  # no engine answers until the replacement has loaded the model
-            assert ops.get("/v2/health/ready").status_code == 503
+        # Readiness asks every stage: not ready until the replacement serves.
+        assert ops.get("/v2/health/ready").status_code == 503
+    if deployment == "Detokenizer":  # the engine stops generating for the dead consumer
+        print(f"engine KV freed {_kv_freed_after(killed):.1f} s after the kill")
     recovered = _recover(ops, killed)
     print(f"{deployment}: stream ended {ended_after:.1f} s after the kill; new requests served after {recovered:.1f} s")
+
+
+def _engine_stats() -> dict:
+    from ray import serve
+
+    return serve.get_deployment_handle("Engine", app_name="ops").stats.remote().result(timeout_s=30)
+
+
+def _kv_freed_after(since: float, limit_s: float = 10.0) -> float:
+    """Seconds from `since` until the engine holds no request and no KV block (fails past limit_s)."""
+    while time.monotonic() - since < limit_s:
+        stats = _engine_stats()
+        if stats["used_blocks"] == 0 and stats["num_running"] == 0 and stats["num_waiting"] == 0:
+            return time.monotonic() - since
+        time.sleep(0.1)
+    raise AssertionError(f"the engine still holds work {limit_s} s after its consumer died: {_engine_stats()}")
+
+
+def test_ingress_killed_mid_stream_frees_the_engine(ops):
+    """Ray does not cancel a stream whose caller died: without the consumer watch the engine ran
+    all 16 generations on to max_tokens for nobody. Now the stages below abort them in seconds."""
+    def stream(i):
+        try:
+            with ops.stream("POST", "/v2/models/ensemble/generate_stream",
+                            json={**LONG, "text_input": f"Story {i}:", "max_tokens": 200}) as r:
+                for _ in r.iter_lines():
+                    pass
+        except httpx.HTTPError:
+            pass  # the connection dies with the Ingress
+
+    readers = [threading.Thread(target=stream, args=(i,), daemon=True) for i in range(16)]
+    for reader in readers:
+        reader.start()
+    deadline = time.monotonic() + 60
+    while _engine_stats()["num_running"] < 4 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _engine_stats()["used_blocks"] > 0
+    killed = time.monotonic()
+    ray.kill(_replica("Ingress"), no_restart=True)
+    freed = _kv_freed_after(killed)
+    print(f"Ingress killed with 16 streams: engine KV back to 0 after {freed:.1f} s")
+    assert freed < 5.0
+    _recover(ops, killed)
 
 
 def test_redeploy_finishes_requests_in_flight(ops, tmp_path_factory, lora_root):

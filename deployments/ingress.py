@@ -20,7 +20,7 @@ from ray.serve.handle import DeploymentHandle
 
 from app.adapters import AdapterPolicy
 from app.config import ServiceConfig
-from app.engine.errors import BackendError, EngineDeadError, InvalidRequestError
+from app.engine.errors import BackendError, EngineDeadError, EngineStepError, InvalidRequestError
 from app.protocol import openai, openapi, triton
 from app.protocol.body import parse_body
 from app.protocol.messages import AdapterRef, GenerationJob, TextChunk, check_job, merge_chunks
@@ -61,6 +61,9 @@ def _status(exc: BaseException) -> tuple[int, str]:
         return 503, "server is at capacity; retry later"
     if _behind(exc, RayActorError) is not None:
         return 503, "a replica serving this request died; it is being replaced, retry"
+    step = _behind(exc, EngineStepError)
+    if step is not None:
+        return 500, str(step)
     if _behind(exc, EngineDeadError) is not None:
         return 503, "the engine of the replica serving this request stopped; it is being replaced, retry"
     # The message must not leak internals (paths, tracebacks): the log has them, under this id.

@@ -4,7 +4,8 @@ Loop (one thread, the only one touching LLMEngine):
   1. apply queued commands (add, abort) in arrival order;
   2. if nothing is in flight, block until a command arrives;
   3. run one step and hand each request's output to its asyncio queue.
-A step that raises kills the loop: every open stream gets EngineDeadError and `healthy` turns false.
+A step that raises fails the requests it computed (EngineStepError, see LLMEngine.step); when steps
+keep failing the loop dies: every open stream gets EngineDeadError and `healthy` turns false.
 A step that runs longer than `step_timeout_s` makes `healthy` false too (a stuck loop), so the
 serving layer can have the replica replaced.
 """
@@ -21,7 +22,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from app.engine.config import EngineConfig
-from app.engine.errors import EngineDeadError, InvalidRequestError
+from app.engine.errors import EngineDeadError, EngineStepError, InvalidRequestError
 from app.engine.llm_engine import LLMEngine
 from app.engine.outputs import EngineStats, RequestOutput
 from app.engine.sampling_params import SamplingParams, validate_request
@@ -76,6 +77,8 @@ class AsyncLLMEngine:
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):
                     raise item
+                if item.error is not None:
+                    raise EngineStepError(item.error)
                 finished = item.finished
                 yield item
         finally:

@@ -18,6 +18,11 @@ class EngineDeadError(RuntimeError):
     """The engine loop has died; every request in flight fails with this."""
 
 
+class EngineStepError(RuntimeError):
+    """A step computing this request failed; the request was dropped (its KV freed), the engine
+    goes on. The message says so in one sentence; the engine's log has the traceback."""
+
+
 class BackendError(RuntimeError):
     """A production backend (TensorRT-LLM, Triton) failed a request; the message is the backend's own."""
 

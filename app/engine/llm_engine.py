@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from dataclasses import dataclass
 
@@ -18,6 +19,9 @@ from app.engine.outputs import CompletionOutput, EngineStats, RequestMetrics, Re
 from app.engine.sampling_params import SEED_LIMIT, RequestLimits, SamplingParams, validate_request
 from app.engine.scheduler import Scheduler, SchedulerLimits
 from app.engine.sequence import FinishReason, Sequence
+
+logger = logging.getLogger(__name__)
+MAX_FAILED_STEPS = 3
 
 
 @dataclass
@@ -75,6 +79,8 @@ class LLMEngine:
         self.overlap = (not config.disable_overlap_scheduler and self.runner.device.type == "cuda"
                         and self.runner.dist is None)
         self._in_flight: LaunchedStep | None = None
+        self._stepping: set[str] = set()  # requests of the step being computed
+        self.failed_steps = 0  # in a row
 
     # -- requests ----------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -130,10 +136,37 @@ class LLMEngine:
 
     # -- the step ----------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """One step (see `_step`). A step that raises fails the requests it was computing, alone:
+        their KV blocks are freed and their outputs carry the error, while waiting requests and the
+        engine go on. Only MAX_FAILED_STEPS failures in a row (a lost device, not a bad request)
+        propagate, for the serving layer to replace the engine."""
+        try:
+            outputs = self._step()
+        except Exception as exc:  # noqa: BLE001 - re-raised once failures repeat
+            self.failed_steps += 1
+            if self.failed_steps >= MAX_FAILED_STEPS:
+                raise
+            logger.exception("engine step failed; failing the requests it computed")
+            return self._fail_stepping(f"the engine step computing this request failed ({type(exc).__name__})")
+        if self._stepping:  # a step that computed something succeeded
+            self.failed_steps = 0
+        return outputs
+
+    def _fail_stepping(self, error: str) -> list[RequestOutput]:
+        self._in_flight = None  # its requests are among those failed: nothing waits for its tokens
+        outputs = [self.abort_request(request_id) for request_id in self._stepping]
+        for output in outputs:
+            if output is not None:
+                output.error = error
+        return [output for output in outputs if output is not None]
+
+    def _step(self) -> list[RequestOutput]:
         """One step. Overlapped (see `overlap`), it queues step k + 1 on the device, then reads back
         step k and returns step k's outputs: the host's scheduling and output work runs while the
         device computes. A token's stop check then comes one step late, so a sequence that ends on
         a stop token may compute one extra token, which is dropped."""
+        in_flight = self._in_flight.plan.scheduled if self._in_flight is not None else []
+        self._stepping = {item.seq.request_id for item in in_flight}
         overlap = self.overlap and all(r.overlappable for r in self.requests.values())
         if not overlap and self._in_flight is not None:  # catch up before a step that needs every token
             return self._finish(self._take_in_flight())
@@ -171,6 +204,7 @@ class LLMEngine:
     def _begin(self, plan) -> None:
         """The step's counters, before it runs."""
         now = time.time_ns()
+        self._stepping.update(item.seq.request_id for item in plan.scheduled)
         for item in plan.scheduled:
             item.seq.first_scheduled_ns = item.seq.first_scheduled_ns or now
         self.num_steps += 1

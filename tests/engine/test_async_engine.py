@@ -62,17 +62,34 @@ def test_invalid_request_raises_before_streaming(async_engine):
     assert async_engine.healthy
 
 
-def test_a_dead_loop_fails_every_stream(tiny_llama_dir):
+def test_a_failing_step_fails_its_requests_and_repeated_failures_end_the_loop(tiny_llama_dir):
+    """A step that raises fails the requests it computed (KV freed) and the engine goes on; steps
+    failing MAX_FAILED_STEPS times in a row mean a lost device: the loop dies, nothing hangs."""
+    from app.engine.errors import EngineStepError
+    from app.engine.llm_engine import MAX_FAILED_STEPS
+
     engine = make_engine(tiny_llama_dir)
+    healthy_execute = engine.runner.execute
     engine.runner.execute = lambda plan: (_ for _ in ()).throw(RuntimeError("device lost"))
     front = AsyncLLMEngine(EngineConfig(), engine=engine)
 
-    async def main():
-        return await asyncio.gather(*(_collect(front, f"d{i}", p, SamplingParams(max_tokens=4)) for i, p in
+    async def batch(prefix):
+        return await asyncio.gather(*(_collect(front, f"{prefix}{i}", p, SamplingParams(max_tokens=4)) for i, p in
                                       enumerate(PROMPTS)), return_exceptions=True)
 
-    results = asyncio.run(main())
-    assert all(isinstance(r, EngineDeadError) for r in results)
+    results = asyncio.run(batch("a"))
+    assert all(isinstance(r, EngineStepError) for r in results), results
+    assert front.healthy and front.stats().used_blocks == 0
+    engine.runner.execute = healthy_execute  # one failed step in between does not count against the next
+    assert all(len(tokens) == 4 for tokens, _ in asyncio.run(batch("b")))
+    engine.runner.execute = lambda plan: (_ for _ in ()).throw(RuntimeError("device lost"))
+
+
+    async def one(rid):  # one request: one step
+        return (await asyncio.gather(_collect(front, rid, PROMPTS[0], SamplingParams()), return_exceptions=True))[0]
+
+    errors = [type(asyncio.run(one(f"c{i}"))) for i in range(MAX_FAILED_STEPS)]
+    assert errors == [EngineStepError] * (MAX_FAILED_STEPS - 1) + [EngineDeadError]
     assert not front.healthy
 
     async def after_death():  # nothing sent to a dead loop waits for it: each fails at once

@@ -121,3 +121,16 @@ def test_replica_affinity_for_adapters(two_engine_server, lora_root, peft_text):
             assert r.json()["text_output"] == peft_text["chef"]
         for _ in range(4):  # base-model requests still work on either replica
             assert send().json()["text_output"] == peft_text[None]
+
+
+def test_a_used_name_cannot_be_rebound(http, lora_root, peft_text):
+    """Rebinding a name to another path changed the weights under requests already in flight (a
+    victim's greedy stream turned to garbage mid-answer): a name keeps its first path."""
+    first = _generate(http, lora_task_id="bound", lora_path=str(lora_root / "poet"))
+    assert first.status_code == 200 and first.json()["text_output"] == peft_text["poet"]
+    for name in ("bound", "sql"):  # bound by a first request, or by the config
+        r = _generate(http, lora_task_id=name, lora_path=str(lora_root / "chef"))
+        assert r.status_code == 409, r.text
+        assert f"'{name}'" in r.json()["error"] and str(lora_root) not in r.json()["error"]
+    assert _generate(http, lora_task_id="bound").json()["text_output"] == peft_text["poet"]
+    assert _generate(http, lora_task_id="sql").json()["text_output"] == peft_text["sql"]

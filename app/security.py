@@ -3,9 +3,11 @@ from __future__ import annotations
 
 import hmac
 import os
+import re
 
 # Health stays open: load balancers and Serve's own probes carry no key.
 OPEN_PATHS = frozenset({"/v2/health/live", "/v2/health/ready", "/-/healthz", "/-/routes"})
+MODEL_READY = re.compile(r"/v2/models/[^/]+(/versions/[^/]+)?/ready")  # KServe's per-model health probe
 
 
 def api_key(configured: str | None) -> str | None:
@@ -15,7 +17,7 @@ def api_key(configured: str | None) -> str | None:
 
 def refusal(path: str, headers: dict[str, str], key: str | None, max_bytes: int) -> tuple[int, str] | None:
     """(status, message) when the request must be refused, else None. `headers` keys are lower case."""
-    if key is not None and path not in OPEN_PATHS:
+    if key is not None and path not in OPEN_PATHS and not MODEL_READY.fullmatch(path):
         scheme, _, token = headers.get("authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
             return 401, "authorization: send 'Authorization: Bearer <api key>'"

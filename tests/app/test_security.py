@@ -11,6 +11,9 @@ def test_key_is_required_but_not_for_health():
     assert refusal("/v1/models", {"authorization": f"Bearer {KEY}"}, KEY, 1024) is None
     assert refusal("/v1/models", {"authorization": f"bearer  {KEY}"}, KEY, 1024) is None
     assert refusal("/v2/health/ready", {}, KEY, 1024) is None
+    assert refusal("/v2/models/ensemble/ready", {}, KEY, 1024) is None  # KServe's model health, like the server's
+    assert refusal("/v2/models/ensemble/versions/1/ready", {}, KEY, 1024) is None
+    assert refusal("/v2/models/ensemble/ready/x", {}, KEY, 1024)[0] == 401
     assert refusal("/v1/models", {}, None, 1024) is None  # no key configured: open
 
 

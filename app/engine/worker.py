@@ -61,7 +61,7 @@ class ModelShard:
                   "up_proj": (cfg.hidden_size, cfg.intermediate_size),
                   "down_proj": (cfg.intermediate_size, cfg.hidden_size)}
         self.loras = LoRACache(config.max_loras, config.max_cpu_loras, config.max_lora_rank, device, self.dtype,
-                               shapes, self.layout.tp_size, self.layout.tp_rank)
+                               shapes, cfg.num_layers, self.layout.tp_size, self.layout.tp_rank)
         # Pipeline stages pass activations between graphs; only single-stage decode is captured.
         capture = device.type == "cuda" and config.cuda_graphs and self.layout.pp_size == 1
         graph_bytes = 0

@@ -1,8 +1,15 @@
-"""Many LoRA adapters in one batch, exact against transformers + peft, under eviction too."""
+"""Many LoRA adapters in one batch, exact against transformers + peft, under eviction too; bad
+adapters refused whole when they are registered."""
+import json
+import shutil
+
+import numpy as np
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from app.engine import InvalidRequestError, SamplingParams
+from app.engine.lora_loader import load_peft_adapter
 from tests.conftest import make_engine, random_prompts
 
 ADAPTERS = {  # name -> (seed, rank, targets)
@@ -123,11 +130,6 @@ def _write_trtllm_format(peft_dir, out_dir):
     """The layout the seeds' hf_lora_convert.py writes (float32 storage): per module a row of
     A [r, in] then B * alpha / r [out, r], flattened and zero-padded; config rows of
     [module_id, layer, r] with TensorRT-LLM's module ids."""
-    import json
-
-    import numpy as np
-    from safetensors.torch import load_file
-
     ids = {"q_proj": 1, "k_proj": 2, "v_proj": 3, "o_proj": 4, "gate_proj": 5, "down_proj": 6, "up_proj": 7}
     config = json.loads((peft_dir / "adapter_config.json").read_text())
     scale = config["lora_alpha"] / config["r"]
@@ -154,3 +156,120 @@ def test_trtllm_converted_format_matches_its_peft_original(tiny_llama_dir, adapt
     pairs = [(0, "d-trt"), (1, "d-trt"), (2, None)]
     got = _run(engine, prompts, pairs, [0, 0, 0])
     assert got == [out[(0, "d")], out[(1, "d")], out[(2, None)]]
+
+
+# Spoilers: each writes to `bad` a copy of the adapter at `good` with one thing wrong.
+def _edit_config(**changes):
+    def spoil(good, bad):
+        shutil.copytree(good, bad)
+        config = json.loads((bad / "adapter_config.json").read_text())
+        (bad / "adapter_config.json").write_text(json.dumps({**config, **changes}))
+    return spoil
+
+
+def _edit_tensors(edit):
+    def spoil(good, bad):
+        shutil.copytree(good, bad)
+        save_file(edit(load_file(bad / "adapter_model.safetensors")), bad / "adapter_model.safetensors")
+    return spoil
+
+
+def _replace_file(file, content: bytes | None = None, cut: int = 0):
+    def spoil(good, bad):
+        shutil.copytree(good, bad)
+        data = (bad / file).read_bytes()
+        (bad / file).write_bytes(content if content is not None else data[:-cut])
+    return spoil
+
+
+def _edit_npy(edit):
+    def spoil(good, bad):
+        _write_trtllm_format(good, bad)
+        arrays = [np.load(bad / file) for file in ("model.lora_weights.npy", "model.lora_config.npy")]
+        weights, config = edit(*arrays)
+        np.save(bad / "model.lora_weights.npy", weights)
+        np.save(bad / "model.lora_config.npy", config)
+    return spoil
+
+
+def _set_layer(config, layer):
+    config = config.copy()
+    config[0, 0, 1] = layer
+    return config
+
+
+V0_B = "base_model.model.model.layers.0.self_attn.v_proj.lora_B.weight"
+Q0_B = V0_B.replace("v_proj", "q_proj")
+BAD_ADAPTERS = {  # spoiled copies of adapter "a" (rank 4; q_proj, v_proj; the model: 2 layers, 64 wide, kv 32)
+    "rank_mismatch": (_edit_config(r=2),
+                      "lora_path", r"lora_A of layers\.0 q_proj is \[4, 64\] but rank 2 needs \[2, 64\]"),
+    "layer_out_of_range": (_edit_tensors(lambda t: {k.replace("layers.1.", "layers.999."): v for k, v in t.items()}),
+                           "lora_path", "is for layer 999 but the model has 2 layers"),
+    "missing_b": (_edit_tensors(lambda t: {k: v for k, v in t.items() if k != V0_B}),
+                  "lora_path", r"layers\.0 v_proj has lora_A but no lora_B"),
+    "shape_of_another_module": (_edit_tensors(lambda t: {**t, V0_B: t[Q0_B].clone()}),
+                                "lora_path", r"lora_B of layers\.0 v_proj is \[64, 4\] but rank 4 needs \[32, 4\]"),
+    "not_finite": (_edit_tensors(lambda t: {**t, V0_B: torch.full_like(t[V0_B], float("nan"))}),
+                   "lora_path", "not finite"),
+    "integer_weights": (_edit_tensors(lambda t: {**t, V0_B: t[V0_B].int()}), "lora_path", "must be floating point"),
+    "config_not_json": (_replace_file("adapter_config.json", b"{'r': 4"), "lora_path", "is not valid JSON"),
+    "config_not_an_object": (_replace_file("adapter_config.json", b"[4]"), "lora_path", "JSON object, not a list"),
+    "rank_is_a_string": (_edit_config(r="4"), "lora_path", "'r' must be an integer, not a string"),
+    "rank_too_large": (_edit_config(r=65), "lora_path", r"must be in \[1, max_lora_rank=64\], not 65"),
+    "dora": (_edit_config(use_dora=True), "lora_path", "uses use_dora"),
+    "truncated_weights": (_replace_file("adapter_model.safetensors", cut=100),
+                          "lora_path", "adapter_model.safetensors is unreadable or corrupt"),
+    "untargeted_tensor": (_edit_config(target_modules=["q_proj"]), "lora_path", "v_proj, which .* does not name"),
+    "target_without_tensors": (_edit_config(target_modules=["q_proj", "v_proj", "k_proj"]),
+                               "lora_path", "targets k_proj but"),
+    "npy_rows_too_short": (_edit_npy(lambda w, c: (w[..., :256], c)),
+                           "lora_config", r"row 0 \(layers\.0 q_proj\) holds 256 values but rank 4 needs 512"),
+    "npy_layer_out_of_range": (_edit_npy(lambda w, c: (w, _set_layer(c, 999))),
+                               "lora_config", "row 0 is for layer 999 but the model has 2 layers"),
+    "npy_pickled": (_edit_npy(lambda w, c: (np.array([{"x": 1}], dtype=object), c)),
+                    "lora_config", r"model\.lora_weights\.npy is unreadable or corrupt"),
+}
+SERVED = [(0, "a"), (1, None), (2, "a")]
+
+
+@pytest.fixture(scope="module")
+def engine_with_a(tiny_llama_dir, adapter_dirs, expected):
+    prompts, out = expected
+    engine = make_engine(tiny_llama_dir)
+    engine.add_lora("a", adapter_dirs["a"])
+    assert _run(engine, prompts, SERVED, [0, 0, 0]) == [out[p] for p in SERVED]
+    return engine
+
+
+@pytest.mark.parametrize("case", BAD_ADAPTERS)
+def test_a_bad_adapter_is_refused_whole(engine_with_a, adapter_dirs, tmp_path, case):
+    """Registering a bad adapter under a served name fails with the adapter and its problem named,
+    never a path, and leaves the adapter it would have replaced in place."""
+    spoil, field, problem = BAD_ADAPTERS[case]
+    spoil(adapter_dirs["a"], tmp_path / "bad")
+    held = engine_with_a.runner.loras.host["a"]
+    with pytest.raises(InvalidRequestError, match=problem) as refused:
+        engine_with_a.add_lora("a", tmp_path / "bad")
+    assert refused.value.field == field and refused.value.message.startswith("adapter 'a': ")
+    assert "/" not in str(refused.value)
+    assert engine_with_a.runner.loras.host["a"] is held
+
+
+def test_refused_adapters_never_reach_a_step(engine_with_a, adapter_dirs, expected, tmp_path):
+    """After every bad adapter, under the served name and under names of their own, the engine
+    serves the same batch with the same tokens as before."""
+    for case, (spoil, _, _) in BAD_ADAPTERS.items():
+        spoil(adapter_dirs["a"], tmp_path / case)
+        for name in ("a", case):
+            with pytest.raises(InvalidRequestError):
+                engine_with_a.add_lora(name, tmp_path / case)
+            assert case not in engine_with_a.runner.loras
+    prompts, out = expected
+    assert _run(engine_with_a, prompts, SERVED, [0, 0, 0]) == [out[p] for p in SERVED]
+
+
+def test_without_the_model_the_adapter_is_still_checked_against_itself(adapter_dirs, tmp_path):
+    """The Triton backend reads PEFT adapters with no model at hand: rank and pairs are still checked."""
+    _edit_config(r=2)(adapter_dirs["a"], tmp_path / "rank")
+    with pytest.raises(InvalidRequestError, match=r"is \[4, 64\] but rank 2 needs \[2, any\]"):
+        load_peft_adapter("a", tmp_path / "rank", max_rank=64)

@@ -54,10 +54,7 @@ class TorchBackend:
 
     def stats(self) -> dict:
         stats = self.engine.stats()
-        loras = self.engine.engine.runner.loras
-        return {**vars(stats), "kv_cache_hit_rate": stats.kv_cache_hit_rate, "healthy": self.healthy,
-                "lora": {"host": list(loras.host), "device": list(loras.on_device), "loads": loras.loads,
-                         "evictions": loras.evictions, "hits": loras.hits, "misses": loras.misses}}
+        return {**vars(stats), "kv_cache_hit_rate": stats.kv_cache_hit_rate, "healthy": self.healthy}
 
     @property
     def healthy(self) -> bool:

@@ -3,7 +3,10 @@
 Loop (one thread, the only one touching LLMEngine):
   1. apply queued commands (add, abort) in arrival order;
   2. if nothing is in flight, block until a command arrives;
-  3. run one step and hand each request's output to its asyncio queue.
+  3. run one step;
+  4. publish a stats snapshot (when idle, else at most every STATS_INTERVAL_S): other threads read
+     only that, never the engine's live structures (iterating them mid-step raised at random);
+  5. hand each request's output to its asyncio queue.
 A step that raises fails the requests it computed (EngineStepError, see LLMEngine.step); when steps
 keep failing the loop dies: every open stream gets EngineDeadError and `healthy` turns false.
 A step that runs longer than `step_timeout_s` makes `healthy` false too (a stuck loop), so the
@@ -28,6 +31,7 @@ from app.engine.outputs import EngineStats, RequestOutput
 from app.engine.sampling_params import SamplingParams, validate_request
 
 logger = logging.getLogger(__name__)
+STATS_INTERVAL_S = 0.05
 
 
 class Command(enum.Enum):
@@ -43,7 +47,10 @@ class _Stream:
     queue: asyncio.Queue
 
     def put(self, item) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the caller's event loop has closed: nobody is left to read it
+            pass
 
 
 class AsyncLLMEngine:
@@ -55,6 +62,8 @@ class AsyncLLMEngine:
         self._streams: dict[str, _Stream] = {}
         self._lock = threading.Lock()
         self._dead: BaseException | None = None
+        self._stats = self.engine.stats()  # the loop's latest snapshot (replaced whole, never mutated)
+        self._stats_at = time.monotonic()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
 
@@ -104,7 +113,7 @@ class AsyncLLMEngine:
         self._commands.put((Command.ABORT, request_id))
 
     def stats(self) -> EngineStats:
-        return self.engine.stats()
+        return self._stats
 
     @property
     def healthy(self) -> bool:
@@ -128,11 +137,16 @@ class AsyncLLMEngine:
                 self._step_started = time.monotonic()
                 outputs = self.engine.step()
                 self._step_started = None
+                if not self.engine.has_unfinished_requests() or time.monotonic() - self._stats_at > STATS_INTERVAL_S:
+                    self._publish_stats()
                 for output in outputs:
                     self._deliver(output)
         except BaseException as exc:  # noqa: BLE001 - any escape means the engine is gone
             logger.exception("engine loop died")
             self._fail_everything(exc)
+
+    def _publish_stats(self) -> None:
+        self._stats, self._stats_at = self.engine.stats(), time.monotonic()
 
     def _fail_everything(self, exc: BaseException) -> None:
         """Every open stream and every queued adapter load fails now, none is left waiting."""
@@ -169,6 +183,7 @@ class AsyncLLMEngine:
                 name, path, done = arg
                 try:
                     self.engine.add_lora(name, path)
+                    self._publish_stats()
                     done.set_result(None)
                 except Exception as exc:  # noqa: BLE001 - the caller's problem, not the loop's
                     done.set_exception(exc)

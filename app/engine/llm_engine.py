@@ -332,7 +332,7 @@ class LLMEngine:
 
     # -- introspection -----------------------------------------------------------------------------
     def stats(self) -> EngineStats:
-        bm = self.block_manager
+        bm, loras = self.block_manager, self.runner.loras
         return EngineStats(
             num_waiting=len(self.scheduler.waiting), num_running=len(self.scheduler.running),
             num_preempted_total=self.scheduler.num_preempted_total, max_batch_size=self.config.max_batch_size,
@@ -342,7 +342,9 @@ class LLMEngine:
             context_tokens_last_step=self._last_context_tokens,
             generation_requests_last_step=self._last_generation_requests,
             context_requests_last_step=self._last_context_requests,
-            num_paused=sum(1 for seq in self.scheduler.waiting if seq.num_preemptions))
+            num_paused=sum(1 for seq in self.scheduler.waiting if seq.num_preemptions),
+            lora={"host": list(loras.host), "device": list(loras.on_device), "loads": loras.loads,
+                  "evictions": loras.evictions, "hits": loras.hits, "misses": loras.misses})
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[RequestOutput]:
         """Run prompts to completion (offline use, tests, benchmarks); one merged output each."""

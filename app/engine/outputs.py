@@ -1,7 +1,7 @@
 """What the engine hands back: per-step deltas of each request, and its metrics at the end."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -67,6 +67,7 @@ class EngineStats:
     generation_requests_last_step: int
     context_requests_last_step: int = 0
     num_paused: int = 0  # preempted sequences waiting to be resumed
+    lora: dict = field(default_factory=dict)  # adapters held (host, device) and the device cache's counters
 
     @property
     def kv_cache_hit_rate(self) -> float:

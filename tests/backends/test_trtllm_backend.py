@@ -18,7 +18,8 @@ def backend(smollm2_dir, lora_root):
 
     config = service_config(smollm2_dir, backend="trtllm", cuda_graph_config={"max_batch_size": 16},
                             speculative_config={"decoding_type": "Lookahead", "max_window_size": 4},
-                            disable_overlap_scheduler=True, lora_roots=[str(lora_root)])
+                            disable_overlap_scheduler=True, lora_roots=[str(lora_root)],
+                            max_return_sequences=32)  # n = 17 reaches TensorRT-LLM's own check
     backend = TrtllmBackend(config, {"sql": str(lora_root / "sql")})
     yield backend
     backend.shutdown()

@@ -1,7 +1,9 @@
 """KV block pool: allocation, sharing by reference count, and reuse of full blocks by content hash.
 
-A full block is identified by a chained hash (the previous block's hash, its tokens, the adapter),
-so equal prefixes map to equal hash chains. Blocks whose last user is gone keep their contents and
+A full block is identified by a chained SHA-256 (the previous block's hash, the adapter, its
+tokens), so equal prefixes map to equal hash chains. Not Python's hash: it is 64 bits and, for
+tuples of ints, not even salted, so a prompt could be built to collide with another user's prefix
+and be handed that user's KV (vLLM moved to SHA-256 block hashes after such an advisory). Blocks whose last user is gone keep their contents and
 hash in an LRU of free cached blocks until a new allocation needs the space:
 
     free_uncached  [blocks with nothing worth keeping]   <- taken first
@@ -9,15 +11,21 @@ hash in an LRU of free cached blocks until a new allocation needs the space:
 """
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict, deque
 
 from app.engine.sequence import Sequence
 
-_ROOT = hash("kv-root")
+_ROOT = hashlib.sha256(b"kv-root").digest()
 
 
-def block_hash(parent: int, tokens: list[int], adapter_id: str | None) -> int:
-    return hash((parent, adapter_id, tuple(tokens)))
+def block_hash(parent: bytes, tokens: list[int], adapter_id: str | None) -> bytes:
+    adapter = (adapter_id or "").encode()
+    digest = hashlib.sha256(parent)
+    digest.update(len(adapter).to_bytes(4, "little") + adapter)  # length first: no two fields run together
+    digest.update(array("q", tokens).tobytes())
+    return digest.digest()
 
 
 class BlockManager:
@@ -26,8 +34,8 @@ class BlockManager:
         self.block_size = block_size
         self.enable_reuse = enable_reuse
         self.ref_counts = [0] * num_blocks
-        self.hash_of: list[int | None] = [None] * num_blocks
-        self.cached: dict[int, int] = {}  # hash -> block id
+        self.hash_of: list[bytes | None] = [None] * num_blocks
+        self.cached: dict[bytes, int] = {}  # hash -> block id
         self.free_uncached: deque[int] = deque(range(num_blocks))
         self.free_cached: OrderedDict[int, None] = OrderedDict()
         self.reused_blocks_total = 0

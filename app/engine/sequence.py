@@ -46,7 +46,7 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0
         self.block_table: list[int] = []
-        self.block_hashes: list[int] = []  # chained hashes of the full blocks registered so far
+        self.block_hashes: list[bytes] = []  # chained hashes of the full blocks registered so far
         self.output_logprobs: list[float] = []
         self.cumulative_logprob = 0.0
         self.num_emitted = 0  # output tokens already handed to the caller

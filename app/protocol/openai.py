@@ -5,17 +5,31 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from app.engine.errors import InvalidRequestError
 from app.engine.sampling_params import SamplingParams
 from app.protocol.messages import GenerationJob, TextChunk
 
 
+# OpenAI fields this server does not implement, with the one value of each that asks for nothing
+# (clients often send it): accepted. Any other value, and any field not named anywhere, is refused
+# by name: a client asking for JSON must not get a 200 with free text.
+NEUTRAL = {"response_format": {"type": "text"}, "logit_bias": {}, "tools": [], "tool_choice": "none",
+           "best_of": 1, "top_logprobs": 0, "suffix": ""}
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False  # the last streamed chunk carries usage either way
+
+
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")  # OpenAI clients send fields we do not use (user, ...)
+    model_config = ConfigDict(extra="forbid")
 
     model: str
+    user: str | None = Field(None, max_length=256, description="labels the end user; changes nothing generated")
+    stream_options: StreamOptions | None = None
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
@@ -39,10 +53,28 @@ class CompletionRequest(_Request):
     echo: bool = False
 
 
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text"]
+    text: str
+
+
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
     role: Literal["system", "user", "assistant", "tool"]
-    content: str
+    content: str | list[TextPart]  # text parts are joined; other parts (images, audio) are refused
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, content):
+        for part in content if isinstance(content, list) else ():
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind != "text":
+                raise ValueError(f"only text parts are supported, not {str(kind)[:40]!r}")
+        return content
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
 
 
 class ChatRequest(_Request):
@@ -51,11 +83,18 @@ class ChatRequest(_Request):
 
 
 def _validate(cls, body: Any):
+    if isinstance(body, dict):
+        for key, value in body.items():
+            if key not in cls.model_fields and value is not None and (key not in NEUTRAL or NEUTRAL[key] != value):
+                raise InvalidRequestError(key, "is not supported by this server" + (
+                    f" (only its neutral value {NEUTRAL[key]!r})" if key in NEUTRAL else ""))
+        body = {k: v for k, v in body.items() if k in cls.model_fields}
     try:
         return cls.model_validate(body)
     except ValidationError as exc:
         err = exc.errors()[0]
-        raise InvalidRequestError(".".join(str(p) for p in err["loc"]) or "body", err["msg"]) from None
+        raise InvalidRequestError(".".join(str(p) for p in err["loc"]) or "body",
+                                  err["msg"].removeprefix("Value error, ")) from None
 
 
 def _job(req: _Request, max_tokens_default: int, logprobs: bool, **prompt) -> GenerationJob:
@@ -81,7 +120,7 @@ def parse_completion(body: Any, max_tokens_default: int) -> tuple[GenerationJob,
 
 def parse_chat(body: Any, max_tokens_default: int) -> tuple[GenerationJob, ChatRequest]:
     req = _validate(ChatRequest, body)
-    messages = [m.model_dump() for m in req.messages]
+    messages = [{"role": m.role, "content": m.text()} for m in req.messages]
     return _job(req, max_tokens_default, req.logprobs, messages=messages), req
 
 

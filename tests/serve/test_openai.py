@@ -47,3 +47,11 @@ def test_completion_stop_n_seed_logprobs(client):
 def test_bad_request_raises_client_error(client):
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model="smollm2-135m", prompt="x", max_tokens=10**6)
+
+
+def test_structured_output_is_refused_not_ignored(client):
+    """A client asking for JSON must not get a 200 with free text."""
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="smollm2-135m", max_tokens=8, response_format={"type": "json_object"},
+                                       messages=[{"role": "user", "content": "Hi"}])
+    assert err.value.body["param"] == "response_format"

@@ -49,8 +49,7 @@ class TorchBackend:
             raise
 
     async def add_lora(self, name: str, path: str) -> None:
-        self.adapters.register(name, path)
-        await self.engine.add_lora(name, path)
+        await self._load(AdapterRef(name, path, "lora_adapters"))
 
     def stats(self) -> dict:
         stats = self.engine.stats()

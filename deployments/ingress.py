@@ -219,7 +219,7 @@ class Ingress:
     @api.get("/v2/models/{model}/versions/{version}/ready")
     async def model_ready(self, model: str, version: str = triton.MODEL_VERSION):
         if model not in self._models():
-            return Response(status_code=404)
+            return JSONResponse({"error": f"unknown model '{model}'"}, status_code=404)
         return await self.ready()
 
     async def _parse_triton(self, model: str, request: Request):

@@ -43,11 +43,11 @@ def check_job(job: GenerationJob, max_stop_words: int, max_stop_word_len: int) -
     and bad words (each word is tokenized, held back while streaming and matched at every step),
     and adapter names that could not travel as routing keys."""
     stop_field = "stop" if job.api == "openai" else "stop_words"
-    for name, words, ids in ((stop_field, job.stop, job.params.stop_token_ids),
-                             ("bad_words", job.bad_words, job.params.bad_token_ids)):
+    for name, words, ids_name, ids in ((stop_field, job.stop, "stop_token_ids", job.params.stop_token_ids),
+                                       ("bad_words", job.bad_words, "bad_token_ids", job.params.bad_token_ids)):
         if len(words) + len(ids) > max_stop_words:
-            raise InvalidRequestError(name, f"{len(words) + len(ids)} words exceed this server's max_stop_words "
-                                            f"of {max_stop_words}")
+            raise InvalidRequestError(name if words else ids_name, f"{len(words) + len(ids)} words exceed this "
+                                                                   f"server's max_stop_words of {max_stop_words}")
         longest = max(map(len, words), default=0)
         if longest > max_stop_word_len:
             raise InvalidRequestError(name, f"a word of {longest} characters exceeds this server's "

@@ -69,6 +69,7 @@ def _job(api="triton", stop=(), bad=(), adapter=None, stop_ids=()):
     (_job(stop=["a"] * 3, stop_ids=[[1], [2]]), "stop_words", "max_stop_words of 4"),
     (_job(api="openai", stop=["x" * 11]), "stop", "max_stop_word_len of 10"),
     (_job(bad=["b"] * 5), "bad_words", "max_stop_words"),
+    (_job(stop_ids=[[1]] * 5), "stop_token_ids", "max_stop_words of 4"),
     (_job(adapter=AdapterRef("caf\u00e9")), "lora_task_id", "adapter name"),
     (_job(adapter=AdapterRef("-5", field="lora_name")), "lora_name", "adapter name"),
     (_job(adapter=AdapterRef("a" * 129)), "lora_task_id", "adapter name"),

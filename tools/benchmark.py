@@ -11,11 +11,17 @@ optionally beside the bare engine on the same workload, at one or more concurren
 
     python tools/benchmark.py serve --start configs/smollm2-135m.yaml --concurrency 1 16 64 \
         --compare-engine --ignore-eos --json results/serve.json
+
+On one GPU the engine and a server cannot share the card's memory: measure the engine alone first
+(`serve --engine-only`, a process of its own), then start the server (`serve run`) and load it with
+`--url`. `--client-processes 1 2` runs each level from one and from two load-generator processes,
+to show whether the client is the bound (tools/gpu/serve_bench.sh does all of this).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 import time
@@ -81,28 +87,39 @@ def serve_command(args) -> dict:
 
     from app.config import load_config
     from app.engine.model_loader import read_model_config, resolve_model_dir
-    from tools.bench.serve_runner import run_http
+    from tools.bench.serve_runner import run_http, run_load
 
     config = load_config(args.config)
     vocab = read_model_config(resolve_model_dir(config.model)).vocab_size
-    workloads = {c: synthetic(args.num_requests or max(8, 2 * c), args.input_len, args.output_len, vocab, args.seed,
-                              args.ignore_eos, c, args.request_rate, args.arrival) for c in args.concurrency}
+    counts = args.num_requests or [None]
+    if len(counts) not in (1, len(args.concurrency)):
+        raise SystemExit("--num-requests takes one count, or one per --concurrency level")
+    counts = counts * len(args.concurrency) if len(counts) == 1 else counts
+    workloads = {c: synthetic(n or max(8, 2 * c), args.input_len, args.output_len, vocab, args.seed,
+                              args.ignore_eos, c, args.request_rate, args.arrival)
+                 for c, n in zip(args.concurrency, counts)}
     results = []
-    if args.compare_engine:  # before the server exists, so that the two never share the cores
+    if args.compare_engine or args.engine_only:  # before the server exists, so that the two never share the cores
         engine = LLMEngine(config.engine_config())
         engine.generate([[100] * 16], SamplingParams(max_tokens=4, temperature=0.0))
         results += [run_engine(engine, wl, f"engine c={c}") for c, wl in workloads.items()]
+        engine.shutdown()
         del engine
         gc.collect()
-    url = args.url or _start_server(args.config, args.port)
-    name = config.name
-    for c, wl in workloads.items():
-        asyncio.run(run_http(url, args.route, name, synthetic(2, "8", 4, vocab, 99, True, 2), "warm-up"))
-        results.append(asyncio.run(run_http(url, args.route, name, wl, f"dag {args.route} c={c}")))
+    if not args.engine_only:
+        url = args.url or _start_server(args.config, args.port)
+        name = config.name
+        for c, wl in workloads.items():
+            for p in dict.fromkeys(min(p, c) for p in args.client_processes):  # as given; at most one a stream
+                asyncio.run(run_http(url, args.route, name, synthetic(2, "8", 4, vocab, 99, True, 2), "warm-up"))
+                label = f"dag {args.route} c={c}" + (f" x{p} clients" if p > 1 else "")
+                results.append(run_load(url, args.route, name, wl, label, p))
     print(table(results))
+    device = torch.cuda.get_device_name() if torch.cuda.is_initialized() else config.device
     return {"command": "serve", "args": vars(args), "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
-            "machine": {"platform": platform.platform(), "torch": torch.__version__}, "config": config.model_dump(),
-            "results": [r.as_dict() for r in results]}
+            "machine": {"platform": platform.platform(), "torch": torch.__version__, "device": device,
+                        "cpus": os.cpu_count()},
+            "config": config.model_dump(), "results": [r.as_dict() for r in results]}
 
 
 def _start_server(config_path: str, port: int) -> str:
@@ -159,7 +176,8 @@ def main(argv=None) -> None:
     s.add_argument("--port", type=int, default=8123)
     s.add_argument("--route", choices=["triton", "openai"], default="triton")
     s.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
-    s.add_argument("--num-requests", type=int, default=None, help="per level (default: 2 x concurrency, >= 8)")
+    s.add_argument("--num-requests", type=int, nargs="+", default=None,
+                   help="per level, one count or one per --concurrency level (default: 2 x concurrency, >= 8)")
     s.add_argument("--request-rate", type=float, default=None)
     s.add_argument("--arrival", choices=["exponential", "constant"], default="exponential")
     s.add_argument("--input-len", default="64:128")
@@ -167,6 +185,9 @@ def main(argv=None) -> None:
     s.add_argument("--ignore-eos", action="store_true")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--compare-engine", action="store_true")
+    s.add_argument("--engine-only", action="store_true", help="the engine levels alone, no server")
+    s.add_argument("--client-processes", type=int, nargs="+", default=[1],
+                   help="run each level from each of these numbers of load-generator processes, in this order")
     s.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     report = engine_command(args) if args.command == "engine" else serve_command(args)

@@ -1,9 +1,19 @@
-"""Load against a running service over HTTP: streaming requests, per-chunk timing."""
+"""Load against a running service over HTTP: streaming requests, per-chunk timing.
+
+One client process parses every streamed event of every request; at engine speed (thousands of
+tokens a second over hundreds of streams) that process can become the bound. `run_load(...,
+processes=P)` spreads one level over P processes (request i goes to process i mod P, concurrency
+split evenly), starts them together behind a barrier and merges their timings into one result, so
+running the same level with P and 2P processes shows whether the client limits the total.
+"""
 from __future__ import annotations
 
 import asyncio
 import json
+import multiprocessing
+import queue
 import time
+from dataclasses import replace
 
 import httpx
 from tqdm import tqdm
@@ -51,11 +61,68 @@ async def _one(client: httpx.AsyncClient, route: str, model: str, prompt: list[i
 
 
 async def run_http(url: str, route: str, model: str, wl: Workload, name: str) -> RunResult:
+    start, end, timings = await _timed(url, route, model, wl, name)
+    return summarize(name, end - start, timings, sum(map(len, wl.prompts)))
+
+
+def run_load(url: str, route: str, model: str, wl: Workload, name: str, processes: int = 1) -> RunResult:
+    """One level of load from `processes` client processes; wall time from their common start to the
+    last one's end."""
+    if processes <= 1:
+        return asyncio.run(run_http(url, route, model, wl, name))
+    processes = min(processes, wl.concurrency, wl.num_requests)
+    ctx = multiprocessing.get_context("spawn")  # no fork of a parent that may hold CUDA or threads
+    barrier, results = ctx.Barrier(processes), ctx.Queue()
+    workers = [ctx.Process(target=_client_process, args=(url, route, model, _slice(wl, k, processes), name,
+                                                         barrier, results), daemon=True)
+               for k in range(processes)]
+    for w in workers:
+        w.start()
+    parts = []
+    while len(parts) < processes:
+        try:
+            parts.append(results.get(timeout=5))
+        except queue.Empty:
+            if not any(w.is_alive() for w in workers) and results.empty():
+                parts.append(f"{processes - len(parts)} client process(es) died without a result")
+                break
+    for w in workers:
+        w.join()
+    failed = [p for p in parts if isinstance(p, str)]
+    if failed:
+        raise RuntimeError(f"a client process failed: {failed[0]}")
+    timings = [t for _, _, ts in parts for t in ts]
+    result = summarize(name, max(e for _, e, _ in parts) - min(s for s, _, _ in parts), timings,
+                       sum(map(len, wl.prompts)))
+    result.extra = {"client_processes": processes}
+    return result
+
+
+def _slice(wl: Workload, k: int, processes: int) -> Workload:
+    pick = range(k, wl.num_requests, processes)
+    return replace(wl, prompts=[wl.prompts[i] for i in pick],
+                   arrivals_s=None if wl.arrivals_s is None else [wl.arrivals_s[i] for i in pick],
+                   adapters=None if wl.adapters is None else [wl.adapters[i] for i in pick],
+                   concurrency=wl.concurrency // processes + (k < wl.concurrency % processes))
+
+
+def _client_process(url, route, model, wl, name, barrier, results) -> None:
+    try:
+        results.put(asyncio.run(_timed(url, route, model, wl, name, barrier)))
+    except BaseException as exc:  # the parent waits for one item per process
+        results.put(f"{type(exc).__name__}: {exc}")
+
+
+async def _timed(url: str, route: str, model: str, wl: Workload, name: str,
+                 barrier=None) -> tuple[float, float, list[RequestTiming]]:
+    """Run a workload; (start, end, timings) on the host's monotonic clock, which all processes share."""
     limits = httpx.Limits(max_connections=wl.concurrency + 8, max_keepalive_connections=wl.concurrency + 8)
     gate = asyncio.Semaphore(wl.concurrency)
-    bar = tqdm(total=wl.num_requests, desc=name, unit="req", leave=False)
+    bar = tqdm(total=wl.num_requests, desc=name, unit="req", leave=False, disable=barrier is not None)
 
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
+        if barrier is not None:
+            await asyncio.to_thread(barrier.wait, 300)  # all connected, or BrokenBarrierError for all
         start = time.perf_counter()
 
         async def launch(i: int) -> RequestTiming:
@@ -67,6 +134,6 @@ async def run_http(url: str, route: str, model: str, wl: Workload, name: str) ->
             return timing
 
         timings = await asyncio.gather(*(launch(i) for i in range(wl.num_requests)))
-        wall = time.perf_counter() - start
+        end = time.perf_counter()
     bar.close()
-    return summarize(name, wall, list(timings), sum(map(len, wl.prompts)))
+    return start, end, list(timings)

@@ -1,0 +1,154 @@
+#!/usr/bin/env bash
+# The whole app on a GPU machine that has torch and transformers but no network (the device
+# machine): install Ray Serve and the app's other missing packages from carried wheels, start
+# `serve run` with the dummy-weight Llama-3.1-8B shape (tools/gpu/serve_config.yaml), and measure
+# the engine alone against the DAG at 1, 64 and 256 streams (1,024 requests at 256), 128/128,
+# ignore_eos, on the Triton route (tensorrt_llm/generate_stream with input_ids) and on
+# /v1/completions. Every DAG level runs from 4, 8 and 1 load-generator processes (CLIENTS): one
+# process is the bound at 256 streams, and 4 against 8 shows whether the client still is; py-spy
+# and top look at the replicas during the first run at 256 streams.
+#
+# Wheels: `bash tools/gpu/wheels.sh` here first. It fills .whl/1 and .whl/2, each under the 64 MiB a
+# call carries, the ray wheel split across them. Then two calls on one warm machine, the second
+# sent within ~30 s of the first (the machine, and /tmp, go back when idle):
+#   run(carry=[".whl/1"], command="bash tools/gpu/serve_bench.sh stash install tokenizer engine")
+#   run(carry=[".whl/2"], command="timeout 590 bash tools/gpu/serve_bench.sh stash install dag engine")
+# Steps, in the order named:
+#   stash      copy the carried .whl/<n> into $WHEELS (/tmp survives between calls on a warm machine)
+#   install    pip, offline, from $WHEELS: pydantic and py-spy; ray[serve] once both halves are there
+#   tokenizer  tools/gpu/make_tokenizer.py for the shape (the Tokenizer and Detokenizer load it)
+#   engine     the engine alone on the same workloads, in a process of its own (no server running)
+#   dag        serve run, then the load generator over HTTP on both routes; stops the server after
+# Results: gpu-results/serve/*.json and logs; with the device tool's $OUT set they come back packed
+# as $OUT/serve-results.tgz. `python tools/gpu/serve_table.py gpu-results/serve` prints the table.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+root=$PWD out=$PWD/gpu-results/serve
+WHEELS=${WHEELS:-/tmp/llm-serve-wheels}
+SERVE_CONFIG=${SERVE_CONFIG:-tools/gpu/serve_config.yaml}
+CONFIG=${CONFIG:-tools/gpu/llama-3.1-8b-dummy.yaml}
+SHAPE=${SHAPE:-configs/shapes/llama-3.1-8b}
+PORT=${PORT:-8000}
+PY=${PY:-python3}
+serve_pid=
+export PYTHONUNBUFFERED=1 PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
+mkdir -p "$out"
+pack() {  # after every measurement, so that a call cut short still brings back what it measured
+  [[ -n "${OUT:-}" ]] && tar czf "$OUT/serve-results.tgz" -C "$root/gpu-results" serve
+  return 0
+}
+trap pack EXIT
+bin=$("$PY" -c 'import os, sys; print(os.path.dirname(sys.executable))')
+# The levels: LOW (one JSON per route) and HIGH (its own run, profiled), with their request counts.
+LOW=${LOW:-"1 64"} LOW_REQUESTS=${LOW_REQUESTS:-"8 128"} HIGH=${HIGH:-256} HIGH_REQUESTS=${HIGH_REQUESTS:-1024}
+bench=("$PY" tools/benchmark.py serve --config "$CONFIG" --input-len "${INPUT_LEN:-128}"
+       --output-len "${OUTPUT_LEN:-128}" --ignore-eos)
+
+stash() {
+  mkdir -p "$WHEELS"
+  for part in .whl/*/; do [[ -d $part ]] && cp -v "$part"* "$WHEELS"/; done
+  ls -la "$WHEELS" | tail -n +2 | wc -l | xargs echo "wheel files in $WHEELS:"
+}
+
+install() {
+  local ray_whl want=(pydantic)
+  ray_whl=$(ls "$WHEELS"/ray-*.whl.part-aa 2>/dev/null | head -1)
+  ray_whl=${ray_whl%.part-aa}
+  if [[ -n $ray_whl && -f $ray_whl.part-ab ]]; then
+    cat "$ray_whl".part-* > "$ray_whl"
+    want+=("ray[serve]==2.60.0" py-spy)
+  else
+    echo "install: the ray wheel is not complete in $WHEELS yet (the second carry brings the rest); pydantic only"
+  fi
+  # Packages the machine already has at a fitting version stay; the rest come from the wheels.
+  "$PY" -m pip install -q --no-index --find-links "$WHEELS" --no-cache-dir "${want[@]}" 2>&1 | tail -20
+  "$PY" -c 'import pydantic; print("pydantic", pydantic.__version__)'
+  "$PY" -c 'import ray, fastapi, uvicorn; print("ray", ray.__version__, "fastapi", fastapi.__version__)' 2>&1 | tail -1
+}
+
+tokenizer() {
+  timeout 120 "$PY" tools/gpu/make_tokenizer.py "$SHAPE"
+}
+
+engine() {  # one JSON per run, so a second run on the same machine keeps the first
+  local n=1; while [[ -e $out/engine-$n.json ]]; do n=$((n + 1)); done
+  { nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv,noheader
+    echo "$(nproc) CPUs: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2)"; } | tee -a "$out/gpu.txt"
+  timeout 300 "${bench[@]}" --engine-only --concurrency $LOW $HIGH --num-requests $LOW_REQUESTS $HIGH_REQUESTS \
+      --json "$out/engine-$n.json" > "$out/engine-$n.log" 2>&1
+  echo "engine-$n rc=$?"; tail -6 "$out/engine-$n.log"; pack
+}
+
+replica_pids() {  # name (Engine, Detokenizer, Ingress, ProxyActor): pids of our server's replicas
+  ps -eo pid=,sid=,args= | awk -v n="$1" -v sid="$serve_pid" \
+      '$2 == sid && $0 ~ ("ray::(ServeReplica:llm:" n "|" n ")") {print $1}'
+}
+
+profile() {  # seconds: py-spy and top on the replicas and the proxy while the load runs
+  local secs=$1 pid name jobs=()
+  for name in Engine Detokenizer Ingress ProxyActor; do
+    pid=$(replica_pids "$name" | head -1)
+    [[ -z $pid ]] && { echo "profile: no $name process"; continue; }
+    "$bin/py-spy" dump --pid "$pid" > "$out/pyspy-dump-$name.txt" 2>&1
+    timeout $((secs + 20)) "$bin/py-spy" record --pid "$pid" --duration "$secs" --rate 50 --threads \
+        --nonblocking --format raw --output "$out/pyspy-$name.txt" > "$out/pyspy-$name.log" 2>&1 &
+    jobs+=($!)
+  done
+  top -b -c -w 250 -d 5 -n $((secs / 5 + 1)) > "$out/top.txt" 2>&1 &
+  jobs+=($!)
+  pid=$(replica_pids Engine | head -1)
+  if [[ -n $pid ]]; then
+    top -H -b -w 250 -d 5 -n $((secs / 5 + 1)) -p "$pid" > "$out/top-engine-threads.txt" 2>&1 &
+    jobs+=($!)
+  fi
+  wait "${jobs[@]}"
+}
+
+dag() {
+  local ready=0
+  # Its own session (its Ray processes stay in it: replica_pids, the stop below) and its own Ray
+  # temp dir, so that no other ray.init() on the host finds this cluster.
+  RAY_TMPDIR=${RAY_TMPDIR:-/tmp/llm-serve-bench} setsid "$bin/serve" run "$SERVE_CONFIG" > "$out/serve.log" 2>&1 &
+  serve_pid=$!
+  for _ in $(seq 300); do
+    if "$PY" -c "import httpx, sys; sys.exit(httpx.get('http://127.0.0.1:$PORT/v2/health/ready', timeout=2).status_code != 200)" 2>/dev/null; then
+      ready=1; break
+    fi
+    kill -0 "$serve_pid" 2>/dev/null || break
+    sleep 1
+  done
+  echo "serve run: ready=$ready after ${SECONDS}s of this script"
+  if (( ready )); then
+    nvidia-smi --query-gpu=name,memory.used --format=csv,noheader
+    local url=(--url "http://127.0.0.1:$PORT" --client-processes ${CLIENTS:-4 8 1})
+    # The highest level first: its numbers, the profile and the client check matter most.
+    timeout "${HIGH_TIMEOUT:-250}" "${bench[@]}" "${url[@]}" --route triton --concurrency $HIGH --num-requests $HIGH_REQUESTS \
+        --json "$out/dag-triton-high.json" > "$out/dag-triton-high.log" 2>&1 &
+    local bench_pid=$!
+    sleep "${PROFILE_DELAY:-15}"; profile "${PROFILE_SECONDS:-15}"
+    wait "$bench_pid"; echo "dag-triton-high rc=$?"; tail -4 "$out/dag-triton-high.log"; pack
+    timeout 150 "${bench[@]}" "${url[@]}" --route triton --concurrency $LOW --num-requests $LOW_REQUESTS \
+        --json "$out/dag-triton.json" > "$out/dag-triton.log" 2>&1
+    echo "dag-triton rc=$?"; tail -5 "$out/dag-triton.log"; pack
+    timeout "${OPENAI_TIMEOUT:-300}" "${bench[@]}" "${url[@]}" --route openai --concurrency $LOW $HIGH \
+        --num-requests $LOW_REQUESTS $HIGH_REQUESTS --json "$out/dag-openai.json" > "$out/dag-openai.log" 2>&1
+    echo "dag-openai rc=$?"; tail -7 "$out/dag-openai.log"
+  else
+    tail -40 "$out/serve.log"
+  fi
+  # serve run shuts the application and its local Ray down on SIGINT, waiting for replicas to drain;
+  # whatever is left of the process group it leads (our Ray node) goes after 20 s.
+  kill -INT "$serve_pid" 2>/dev/null
+  for _ in $(seq 20); do kill -0 "$serve_pid" 2>/dev/null || break; sleep 1; done
+  kill -KILL -- "-$serve_pid" 2>/dev/null
+  sleep 2
+  nvidia-smi --query-gpu=memory.used --format=csv,noheader | xargs echo "GPU memory used after serve stopped:"
+}
+
+steps=("$@")
+(( ${#steps[@]} )) || steps=(stash install tokenizer engine dag)
+for step in "${steps[@]}"; do
+  echo "== $step ($(date +%T), ${SECONDS}s)"
+  "$step"
+done
+echo "== done (${SECONDS}s)"

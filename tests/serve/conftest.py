@@ -38,6 +38,11 @@ def server(tmp_path_factory, smollm2_dir, lora_root):
     path = _write_config(tmp_path_factory, lora_root)
     port = _free_port()
     os.environ.setdefault("RAY_metrics_report_interval_ms", "1000")  # metrics reach the scrape endpoint in ~1 s
+    # Every test runs behind the connection limits (docs/SECURITY.md); tests/serve/test_connections.py
+    # floods past this cap and waits out this body timeout.
+    os.environ.setdefault("RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH", "deployments.proxy_guard:install")
+    os.environ.setdefault("LLM_SERVE_MAX_CONNECTIONS", "1000")
+    os.environ.setdefault("LLM_SERVE_BODY_TIMEOUT_S", "5")
     ray.init(num_cpus=16, include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(build_app({"config": str(path)}), name="llm", route_prefix="/")

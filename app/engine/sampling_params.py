@@ -4,6 +4,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from app.engine.config import EngineConfig
 from app.engine.errors import InvalidRequestError
 
 # Below this a temperature divides logits into infinities and NaNs; it means greedy (vLLM's rule).
@@ -51,7 +52,7 @@ class SamplingParams:
 
 @dataclass(frozen=True)
 class RequestLimits:
-    """What the engine can take, fixed at start-up."""
+    """What the engine can take, fixed at start-up (built by request_limits)."""
 
     vocab_size: int
     max_seq_len: int
@@ -59,11 +60,21 @@ class RequestLimits:
     max_num_tokens: int
     chunked_prefill: bool
     max_cache_tokens: int
-    max_input_len: int | None = None  # operator caps from the config (None: only the model's limits)
-    max_output_len: int | None = None
-    max_return_sequences: int = 16
-    max_stop_words: int = 64
-    max_stop_word_len: int = 256
+    max_input_len: int | None  # operator caps from the config (None: only the model's limits)
+    max_output_len: int | None
+    max_return_sequences: int
+    max_stop_words: int
+    max_stop_word_len: int
+
+
+def request_limits(config: EngineConfig, vocab_size: int, max_seq_len: int, max_cache_tokens: int) -> RequestLimits:
+    """The limits of an engine built from `config` (an EngineConfig): the model's, capped by the config."""
+    return RequestLimits(
+        vocab_size=vocab_size, max_seq_len=max_seq_len, max_beam_width=config.max_beam_width,
+        max_num_tokens=config.max_num_tokens, chunked_prefill=config.enable_chunked_prefill,
+        max_cache_tokens=max_cache_tokens, max_input_len=config.max_input_len, max_output_len=config.max_output_len,
+        max_return_sequences=config.max_return_sequences, max_stop_words=config.max_stop_words,
+        max_stop_word_len=config.max_stop_word_len)
 
 
 def _check(ok: bool, field_name: str, message: str) -> None:

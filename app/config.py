@@ -5,6 +5,7 @@ so each default lives in one place. The `serve` section holds Ray Serve options 
 """
 from __future__ import annotations
 
+from dataclasses import fields
 from pathlib import Path
 from typing import Literal
 
@@ -125,6 +126,7 @@ class ServiceConfig(_Strict):
     lora_roots: list[str] = Field(default_factory=list, description="directories adapters may be loaded from")
     lora_adapters: dict[str, str] = Field(default_factory=dict, description="adapter name -> path (under a root)")
     kv_cache_config: KvCacheSection = KvCacheSection()
+    cuda_graphs: bool = Field(EngineConfig.cuda_graphs, description="CUDA: replay decode steps from graphs")
     disable_overlap_scheduler: bool = Field(EngineConfig.disable_overlap_scheduler, description="read each step "
                                             "back before queuing the next (overlap is on by default on CUDA)")
     seed: int = EngineConfig.seed
@@ -204,18 +206,10 @@ class ServiceConfig(_Strict):
         return self.served_model_name or Path(self.model).name.removesuffix(".gguf")
 
     def engine_config(self) -> EngineConfig:
-        return EngineConfig(
-            model=self.model, dtype=self.dtype, device=self.device, load_format=self.load_format,
-            max_batch_size=self.max_batch_size, max_num_tokens=self.max_num_tokens, max_seq_len=self.max_seq_len,
-            enable_chunked_prefill=self.enable_chunked_prefill, scheduler_policy=self.scheduler_policy,
-            batching_type=self.batching_type, max_beam_width=self.max_beam_width,
-            kv_cache_config=KvCacheConfig(**self.kv_cache_config.model_dump()), seed=self.seed,
-            disable_overlap_scheduler=self.disable_overlap_scheduler,
-            max_loras=self.max_loras, max_cpu_loras=self.max_cpu_loras, max_lora_rank=self.max_lora_rank,
-            max_input_len=self.max_input_len, max_output_len=self.max_output_len,
-            max_return_sequences=self.max_return_sequences, max_stop_words=self.max_stop_words,
-            max_stop_word_len=self.max_stop_word_len,
-            tensor_parallel_size=self.tensor_parallel_size, pipeline_parallel_size=self.pipeline_parallel_size)
+        """The engine's config: every EngineConfig field has a key of the same name here."""
+        values = {f.name: getattr(self, f.name) for f in fields(EngineConfig)}
+        values["kv_cache_config"] = KvCacheConfig(**self.kv_cache_config.model_dump())
+        return EngineConfig(**values)
 
 
 def load_config(path: str | Path) -> ServiceConfig:

@@ -23,10 +23,3 @@ def test_serve_config_points_at_a_valid_model_config():
     assert (ROOT / (module.replace(".", "/") + ".py")).is_file() and function == "build_app"
     assert load_config(ROOT / app["args"]["config"]).served_model_name == "smollm2-135m"
 
-
-def test_every_shipped_model_config_is_valid():
-    """The GPU and production-backend examples parse against the one schema (no GPU needed)."""
-    configs = sorted(ROOT.glob("configs/*.yaml")) + [ROOT / "tools/gpu/llama-3.1-8b-dummy.yaml"]
-    assert len(configs) >= 5
-    for path in configs:
-        load_config(path)

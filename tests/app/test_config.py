@@ -10,7 +10,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_shipped_configs_load():
-    for path in sorted((ROOT / "configs").glob("*.yaml")):
+    for path in sorted((ROOT / "configs").glob("*.yaml")) + [ROOT / "tools/gpu/llama-3.1-8b-dummy.yaml"]:
         config = load_config(path)
         assert config.engine_config().model == config.model
 
@@ -79,3 +79,18 @@ def test_engine_routing_is_prefix_aware_by_default():
     assert router["request_router_config"]["request_router_kwargs"]["block_size"] == 16
     plain = parse_config({"routing": {"prefix_affinity": False}}).engine_deployment_options()
     assert "request_router_config" not in plain
+
+
+def test_every_engine_field_has_a_config_key_with_its_default():
+    """The service schema reaches every engine setting by name, and takes its default from the engine."""
+    from dataclasses import MISSING, fields
+
+    from app.config import ServiceConfig
+    from app.engine.config import EngineConfig
+
+    for field in fields(EngineConfig):
+        assert field.name in ServiceConfig.model_fields, field.name
+        if field.default is not MISSING:
+            assert ServiceConfig.model_fields[field.name].default == field.default, field.name
+    engine = parse_config({"cuda_graphs": False, "max_stop_words": 3}).engine_config()
+    assert engine.cuda_graphs is False and engine.max_stop_words == 3

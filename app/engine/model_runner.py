@@ -14,7 +14,7 @@ from app.engine.parallel import Distributed, ParallelLayout
 from app.engine.sampler import DeviceSample, Sampler, SamplerOutput
 from app.engine.scheduler import ScheduledSeq, SchedulerOutput
 from app.engine.sequence import Sequence
-from app.engine.worker import ModelShard, StepInputs
+from app.engine.worker import ModelShard, RankCommand, StepInputs
 
 
 @dataclass
@@ -100,18 +100,18 @@ class ModelRunner:
         prepared = [self._prepare(group) for group in groups]
         batches = [inputs for inputs, _ in prepared]
         if self.dist is not None:
-            self.dist.broadcast(("step", plan.block_copies, batches))
+            self.dist.broadcast((RankCommand.STEP, plan.block_copies, batches))
         logits = self.shard.execute(plan.block_copies, batches, previous_tokens)
         return logits, [seq for _, group_seqs in prepared for seq in group_seqs]
 
     def add_lora(self, name: str, path, in_use: set[str]) -> None:
         self.loras.add(name, path, in_use)  # raises for a bad adapter before any other rank sees it
         if self.dist is not None:
-            self.dist.broadcast(("add_lora", name, path, in_use))
+            self.dist.broadcast((RankCommand.ADD_LORA, name, path, in_use))
 
     def shutdown(self) -> None:
         if self.dist is not None:
-            self.dist.broadcast(("stop",))
+            self.dist.broadcast((RankCommand.STOP,))
             self.launcher.stop()
             self.dist.close()
             self.dist = None

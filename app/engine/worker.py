@@ -7,6 +7,7 @@ stages hand hidden states on, and the last stage sends the logits back to rank 0
 """
 from __future__ import annotations
 
+import enum
 import faulthandler
 import os
 import signal
@@ -21,6 +22,14 @@ from app.engine.lora import LoRACache
 from app.engine.model_loader import load_model
 from app.engine.models.attention import AttentionMetadata, PrefillChunk, VarlenPrefill, varlen_prefill_supported
 from app.engine.parallel import SINGLE, Distributed, ParallelLayout
+
+
+class RankCommand(enum.Enum):
+    """What rank 0 broadcasts to the other ranks of a parallel engine."""
+
+    STEP = "step"
+    ADD_LORA = "add_lora"
+    STOP = "stop"
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
@@ -202,11 +211,13 @@ def worker_main(config: EngineConfig, model_dir: str, max_seq_len: int, layout: 
         shard = ModelShard(config, Path(model_dir), max_seq_len, torch.device(device), dist)
         while True:
             command, *args = dist.broadcast()
-            if command == "step":
+            if command is RankCommand.STEP:
                 shard.execute(*args)
-            elif command == "add_lora":
+            elif command is RankCommand.ADD_LORA:
                 shard.loras.add(*args)
-            elif command == "stop":
+            elif command is RankCommand.STOP:
                 return
+            else:  # a rank that skipped a command would fall out of step with rank 0 for good
+                raise ValueError(f"rank {layout.rank}: unknown command {command!r} from rank 0")
     finally:
         dist.close()

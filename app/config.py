@@ -126,6 +126,9 @@ class ServiceConfig(_Strict):
     lora_roots: list[str] = Field(default_factory=list, description="directories adapters may be loaded from")
     lora_adapters: dict[str, str] = Field(default_factory=dict, description="adapter name -> path (under a root)")
     kv_cache_config: KvCacheSection = KvCacheSection()
+    engine_process: bool | None = Field(None, description="backend torch: run the engine loop in a process of its "
+                                        "own, away from the replica's request traffic and its GIL; default: on "
+                                        "for one CUDA device")
     cuda_graphs: bool = Field(EngineConfig.cuda_graphs, description="CUDA: replay decode steps from graphs")
     disable_overlap_scheduler: bool = Field(EngineConfig.disable_overlap_scheduler, description="read each step "
                                             "back before queuing the next (overlap is on by default on CUDA)")
@@ -170,6 +173,12 @@ class ServiceConfig(_Strict):
             raise ValueError(f"tensor_parallel_size x pipeline_parallel_size = {self.world_size} needs backend torch "
                              "or trtllm; the triton backend's in-process server runs one device per replica")
         return self
+
+    @property
+    def runs_engine_process(self) -> bool:
+        if self.backend != "torch" or self.world_size > 1:  # a parallel engine's ranks are Ray actors
+            return False
+        return self.engine_process if self.engine_process is not None else self.device != "cpu"
 
     @property
     def world_size(self) -> int:

@@ -8,6 +8,7 @@ import torch
 from app.backends.base import AdapterTable
 from app.config import ServiceConfig
 from app.engine import AsyncLLMEngine, LLMEngine, SamplingParams
+from app.engine.engine_process import EngineProcess
 from app.engine.executor import WorkerLauncher
 from app.protocol.messages import AdapterRef
 
@@ -16,13 +17,19 @@ class TorchBackend:
     name = "torch"
 
     def __init__(self, config: ServiceConfig, adapters: dict[str, str], launcher: WorkerLauncher | None = None):
-        if config.device == "cpu" and config.world_size == 1:  # parallel ranks split the cores among them
-            torch.set_num_threads(config.cpu_threads or os.cpu_count())
-        engine = LLMEngine(config.engine_config(), launcher)
+        one_cpu_rank = config.device == "cpu" and config.world_size == 1
+        threads = (config.cpu_threads or os.cpu_count()) if one_cpu_rank else None
         self.adapters = AdapterTable()
+        for name, path in adapters.items():
+            self.adapters.register(name, path)
+        if config.runs_engine_process:  # a broken adapter stops start-up there, with its reason
+            self.engine = EngineProcess(config.engine_config(), adapters, config.step_timeout_s, threads)
+            return
+        if threads:  # parallel ranks split the cores among them
+            torch.set_num_threads(threads)
+        engine = LLMEngine(config.engine_config(), launcher)
         for name, path in adapters.items():  # before the loop starts: a broken adapter stops start-up
             engine.add_lora(name, path)
-            self.adapters.register(name, path)
         self.engine = AsyncLLMEngine(config.engine_config(), engine=engine, step_timeout_s=config.step_timeout_s)
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,

@@ -1,0 +1,92 @@
+"""The engine loop in its own process behaves as the in-thread loop: streams equal offline generate,
+leaving aborts, bad requests and adapters fail alone, and a dead process ends every stream."""
+import asyncio
+import os
+import signal
+
+import pytest
+
+from app.engine import EngineConfig, EngineDeadError, InvalidRequestError, SamplingParams
+from app.engine.engine_process import EngineProcess
+from tests.conftest import make_engine, random_prompts
+
+PROMPTS = random_prompts(4, 5, 30, vocab=256, seed=21)
+
+
+def _config(model_dir) -> EngineConfig:
+    return EngineConfig(model=str(model_dir), kv_cache_config={"max_tokens": 4096, "tokens_per_block": 8})
+
+
+@pytest.fixture(scope="module")
+def process_engine(tiny_llama_dir):
+    engine = EngineProcess(_config(tiny_llama_dir), cpu_threads=1)
+    yield engine
+    engine.shutdown()
+
+
+async def _collect(engine, rid, prompt, params):
+    tokens = []
+    async for out in engine.generate(rid, prompt, params):
+        tokens.extend(out.outputs[0].token_ids)
+    return tokens
+
+
+def test_streams_equal_offline_generate(process_engine, tiny_llama_dir):
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in make_engine(tiny_llama_dir).generate(PROMPTS, params)]
+
+    async def main():
+        return await asyncio.gather(*(_collect(process_engine, f"s{i}", p, params) for i, p in enumerate(PROMPTS)))
+
+    assert asyncio.run(main()) == expected
+
+
+def test_leaving_aborts_and_bad_requests_fail_alone(process_engine):
+    async def main():
+        stream = process_engine.generate("gone", PROMPTS[0], SamplingParams(max_tokens=400, ignore_eos=True))
+        async for _ in stream:
+            break
+        await stream.aclose()
+        with pytest.raises(InvalidRequestError, match="top_k"):
+            await _collect(process_engine, "bad", PROMPTS[0], SamplingParams(top_k=2 ** 63))
+        for _ in range(200):
+            stats = process_engine.stats()
+            if stats.num_running == 0 and stats.used_blocks == 0:
+                return True
+            await asyncio.sleep(0.02)
+        return False
+
+    assert asyncio.run(main()) and process_engine.healthy
+
+
+def test_adapters_load_in_the_process(process_engine, tmp_path):
+    async def main():
+        with pytest.raises(InvalidRequestError, match="adapter 'x'"):
+            await process_engine.add_lora("x", str(tmp_path))  # holds no adapter
+
+    asyncio.run(main())
+    assert not process_engine.has_lora("x") and process_engine.healthy
+
+
+def test_a_killed_process_ends_every_stream(tiny_llama_dir):
+    engine = EngineProcess(_config(tiny_llama_dir), cpu_threads=1)
+
+    async def main():
+        stream = engine.generate("long", PROMPTS[0], SamplingParams(max_tokens=400, ignore_eos=True))
+        await anext(stream)
+        os.kill(engine._process.pid, signal.SIGSTOP)  # frozen mid-request, then killed
+        os.kill(engine._process.pid, signal.SIGKILL)
+        with pytest.raises(EngineDeadError):
+            async for _ in stream:
+                pass
+        with pytest.raises(EngineDeadError):
+            await _collect(engine, "late", PROMPTS[0], SamplingParams(max_tokens=2))
+
+    asyncio.run(main())
+    assert not engine.healthy
+    engine.shutdown()
+
+
+def test_a_broken_start_is_one_sentence(tmp_path):
+    with pytest.raises(RuntimeError, match="could not start"):
+        EngineProcess(EngineConfig(model=str(tmp_path / "nothing")))

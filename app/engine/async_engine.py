@@ -21,7 +21,8 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
 from dataclasses import dataclass
 
 from app.engine.config import EngineConfig
@@ -52,6 +53,22 @@ class _Stream:
         except RuntimeError:  # the caller's event loop has closed: nobody is left to read it
             pass
 
+    async def outputs(self, abort: Callable[[], None]) -> AsyncIterator[RequestOutput]:
+        """The request's outputs until the last; a failure is raised; leaving early calls `abort`."""
+        finished = False
+        try:
+            while not finished:
+                item = await self.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                if item.error is not None:
+                    raise EngineStepError(item.error)
+                finished = item.finished
+                yield item
+        finally:
+            if not finished:
+                abort()
+
 
 class AsyncLLMEngine:
     def __init__(self, config: EngineConfig, engine: LLMEngine | None = None, step_timeout_s: float = 60.0):
@@ -80,19 +97,9 @@ class AsyncLLMEngine:
                 raise InvalidRequestError("request_id", f"{request_id!r} is already in flight")
             self._streams[request_id] = stream
             self._commands.put((Command.ADD, (request_id, prompt_token_ids, params, adapter_id, time.time_ns())))
-        finished = False
-        try:
-            while not finished:
-                item = await stream.queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                if item.error is not None:
-                    raise EngineStepError(item.error)
-                finished = item.finished
+        async with aclosing(stream.outputs(lambda: self.abort(request_id))) as outputs:  # leaving aborts at once
+            async for item in outputs:
                 yield item
-        finally:
-            if not finished:
-                self.abort(request_id)
 
     async def add_lora(self, name: str, path: str) -> None:
         """Register an adapter on the loop thread (the only one touching the engine)."""

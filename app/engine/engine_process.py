@@ -22,10 +22,11 @@ import multiprocessing
 import threading
 import time
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 
 from app.engine.async_engine import STATS_INTERVAL_S, Command, _Stream
 from app.engine.config import EngineConfig
-from app.engine.errors import EngineDeadError, EngineStepError, InvalidRequestError
+from app.engine.errors import EngineDeadError, InvalidRequestError
 from app.engine.outputs import EngineStats
 from app.engine.sampling_params import SamplingParams, validate_request
 
@@ -82,19 +83,9 @@ class EngineProcess:
                 raise InvalidRequestError("request_id", f"{request_id!r} is already in flight")
             self._streams[request_id] = stream
         self._send((Command.ADD, (request_id, prompt_token_ids, params, adapter_id, time.time_ns())))
-        finished = False
-        try:
-            while not finished:
-                item = await stream.queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                if item.error is not None:
-                    raise EngineStepError(item.error)
-                finished = item.finished
+        async with aclosing(stream.outputs(lambda: self.abort(request_id))) as outputs:  # leaving aborts at once
+            async for item in outputs:
                 yield item
-        finally:
-            if not finished:
-                self.abort(request_id)
 
     async def add_lora(self, name: str, path: str) -> None:
         done: concurrent.futures.Future = concurrent.futures.Future()

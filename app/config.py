@@ -48,7 +48,8 @@ class StageSection(_Strict):
     max_ongoing_requests: int = Field(256, ge=1, description="requests a replica works on at once")
     max_queued_requests: int = Field(1024, ge=-1, description="requests waiting for a replica; -1: unbounded")
     num_cpus: float = Field(0.5, ge=0)
-    # Streaming hops coalesce deltas by time: the first chunk goes at once, later ones at most this often.
+    # A stage writes its data connection (app/channel.py) at most this often once 16 streams are open;
+    # a first or last delta goes at once.
     stream_interval_ms: float = Field(50.0, ge=0.0, le=1000.0)
     env_vars: dict[str, str] = Field(default_factory=dict, description="environment of this stage's replicas")
     # A replica being replaced (redeploy, downscale) finishes its requests for at most this long.

@@ -1,15 +1,18 @@
-"""The detokenizer stage: streams the engine's token deltas back as UTF-8-safe text deltas."""
+"""The detokenizer stage: turns the engine's token deltas into UTF-8-safe text deltas."""
 from __future__ import annotations
 
+from contextlib import aclosing
+
+import ray
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
+from app.channel import Inbound, Outbound, ReplyTo
 from app.config import ServiceConfig
+from app.engine.llm_engine import merge_outputs
 from app.engine.model_loader import resolve_model_dir
 from app.protocol.messages import TextChunk, TextOutput, TokenizedJob, merge_chunks
-from app.streaming import StreamPacer
 from app.text import IncrementalDetokenizer, Tokenizer
-from deployments.consumers import ConsumerWatch, own_name
 
 
 @serve.deployment(name="Detokenizer")
@@ -17,28 +20,28 @@ class DetokenizerDeployment:
     def __init__(self, config: ServiceConfig, engine: DeploymentHandle):
         self.tokenizer = Tokenizer(resolve_model_dir(config.model))
         self.engine = engine
-        self.pacer = StreamPacer(config.serve.detokenizer.stream_interval_ms)
-        self.consumers = ConsumerWatch()
-        self.name = own_name()
+        self.inbound = Inbound(ray.util.get_node_ip_address(), merge_outputs)  # from the engines
+        self.outbound = Outbound(merge_chunks, config.serve.detokenizer.stream_interval_ms)  # to the Ingresses
 
-    async def generate(self, job: TokenizedJob, consumer: str | None = None):
-        """Text chunks of the job; the death of the `consumer` replica cancels the stream (and so the
-        engine's request)."""
-        async for chunk in self.pacer.pace(self.consumers.guard(consumer, self._text(job)), merge_chunks):
-            yield chunk
+    async def generate(self, job: TokenizedJob, reply_to: ReplyTo) -> None:
+        """Send the job's text chunks to `reply_to` and return once the last is written. Cancelling
+        this call, or the consumer's death, cancels the engine's request."""
+        await self.outbound.stream(reply_to, self._text(job))
 
     def ready(self) -> bool:
         return True
 
-    async def _text(self, job: TokenizedJob):
+    def _engine_call(self, job: TokenizedJob):
         # Requests for an adapter go to the engine replicas that already hold it (Serve multiplexing).
-        options = {"stream": True, "multiplexed_model_id": job.adapter.name} if job.adapter else {"stream": True}
-        stream = self.engine.generate.options(**options).remote(job.request_id, job.prompt_token_ids, job.params,
-                                                                job.adapter, self.name)
+        generate = self.engine.generate.options(multiplexed_model_id=job.adapter.name) if job.adapter \
+            else self.engine.generate
+        return lambda reply_to: generate.remote(job.request_id, job.prompt_token_ids, job.params, job.adapter, reply_to)
+
+    async def _text(self, job: TokenizedJob):
         detoks: dict[int, IncrementalDetokenizer] = {}
-        try:
-            async for out in stream:
-                outputs = []
+        async with aclosing(self.inbound.receive(self._engine_call(job))) as outputs:
+            async for out in outputs:
+                chunk = TextChunk([], out.finished, len(job.prompt_token_ids), out.metrics)
                 for c in out.outputs:
                     detok = detoks.setdefault(c.index, IncrementalDetokenizer(self.tokenizer, job.stop))
                     if detok.stopped is not None:
@@ -51,11 +54,9 @@ class DetokenizerDeployment:
                         text += detok.finish(reason if isinstance(reason, list) else None)
                         if detok.stopped is not None:
                             finish, reason = "stop", detok.stopped
-                    outputs.append(TextOutput(c.index, text, c.token_ids, c.logprobs, c.cumulative_logprob, finish,
-                                              reason))
-                done_by_text = bool(detoks) and all(d.stopped is not None for d in detoks.values())
-                yield TextChunk(outputs, out.finished or done_by_text, len(job.prompt_token_ids), out.metrics)
-                if done_by_text and not out.finished:
+                    chunk.outputs.append(TextOutput(c.index, text, c.token_ids, c.logprobs, c.cumulative_logprob,
+                                                    finish, reason))
+                chunk.finished = chunk.finished or (bool(detoks) and all(d.stopped is not None for d in detoks.values()))
+                yield chunk
+                if chunk.finished:
                     return  # every output hit a stop string: leaving cancels the engine's request
-        finally:
-            stream.cancel()

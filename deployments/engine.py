@@ -5,12 +5,11 @@ from ray import serve
 
 from app.adapters import AdapterPolicy
 from app.backends import create_backend
+from app.channel import Outbound, ReplyTo
 from app.config import ServiceConfig
 from app.engine import SamplingParams
 from app.engine.llm_engine import merge_outputs
 from app.protocol.messages import AdapterRef
-from app.streaming import StreamPacer
-from deployments.consumers import ConsumerWatch
 from deployments.metrics import EngineMetrics
 from deployments.workers import PlacementGroupLauncher, placement_of_this_process
 
@@ -27,19 +26,17 @@ class EngineDeployment:
         if config.world_size > 1 and config.backend == "torch":
             self.launcher = PlacementGroupLauncher(config.device)
         self.backend = create_backend(config, adapters, self.launcher)
-        self.pacer = StreamPacer(config.serve.engine.stream_interval_ms)
-        self.consumers = ConsumerWatch()
+        self.outbound = Outbound(merge_outputs, config.serve.engine.stream_interval_ms)
         self.metrics = EngineMetrics(config.name, self.backend.stats)
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       adapter: AdapterRef | None = None, consumer: str | None = None):
-        """Stream RequestOutput deltas, coalesced by time; cancelling the stream, or the death of
-        the `consumer` replica, aborts the request."""
+                       adapter: AdapterRef | None, reply_to: ReplyTo) -> None:
+        """Send the request's RequestOutput deltas to `reply_to` (app/channel.py) and return once the
+        last is written. Cancelling this call, or the consumer's death, aborts the request."""
         if adapter is not None:
             await self._mark_resident(serve.get_multiplexed_model_id())
-        source = self.consumers.guard(consumer, self.backend.generate(request_id, prompt_token_ids, params, adapter))
-        async for output in self.pacer.pace(source, merge_outputs):
-            yield output
+        outputs = self.backend.generate(request_id, prompt_token_ids, params, adapter)
+        await self.outbound.stream(reply_to, outputs)
 
     @serve.multiplexed(max_num_models_per_replica=MAX_ADAPTERS_PER_REPLICA)
     async def _mark_resident(self, name: str) -> str:

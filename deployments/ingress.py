@@ -10,7 +10,9 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 
+import ray
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
@@ -19,13 +21,13 @@ from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 
 from app.adapters import AdapterPolicy
+from app.channel import Inbound
 from app.config import ServiceConfig
 from app.engine.errors import BackendError, EngineDeadError, EngineStepError, InvalidRequestError
 from app.protocol import openai, openapi, triton
 from app.protocol.body import parse_body
 from app.protocol.messages import AdapterRef, GenerationJob, TextChunk, check_job, merge_chunks
 from app.security import api_key, refusal
-from deployments.consumers import own_name
 from deployments.metrics import IngressMetrics
 
 logger = logging.getLogger("ray.serve")
@@ -105,7 +107,7 @@ class Ingress:
         self.engine = engine
         self.adapters = AdapterPolicy(config.lora_roots, config.lora_adapters)
         self.metrics = IngressMetrics(config.name)
-        self.replica_name = own_name()  # the stages it streams from watch it, to stop if it dies
+        self.inbound = Inbound(ray.util.get_node_ip_address(), merge_chunks)  # from the Detokenizers
         api.state.api_key = api_key(config.api_key)
         api.state.max_request_bytes = config.max_request_bytes
 
@@ -126,15 +128,15 @@ class Ingress:
             job.adapter = self.adapters.resolve(job.adapter)  # refuses paths outside the roots, unopened
         started, first, finished, num_output = time.monotonic(), None, False, 0
         tokenized = await self.tokenizer.tokenize.remote(job)
-        stream = self.detokenizer.generate.options(stream=True).remote(tokenized, self.replica_name)
         try:
-            async for chunk in stream:
-                first = first or time.monotonic()
-                num_output += sum(len(o.token_ids) for o in chunk.outputs)
-                finished = chunk.finished
-                yield chunk, tokenized.prompt_token_ids
+            async with aclosing(self.inbound.receive(
+                    lambda reply_to: self.detokenizer.generate.remote(tokenized, reply_to))) as chunks:
+                async for chunk in chunks:
+                    first = first or time.monotonic()
+                    num_output += sum(len(o.token_ids) for o in chunk.outputs)
+                    finished = chunk.finished
+                    yield chunk, tokenized.prompt_token_ids
         finally:
-            stream.cancel()
             if finished:
                 self.metrics.succeeded(job.api, started, first, len(tokenized.prompt_token_ids), num_output)
 

@@ -122,6 +122,12 @@ class _Inbox:
                                    else "the producer returned before its last output arrived") from None
 
 
+def _retrieve(call: asyncio.Future) -> None:
+    """Fetch a finished call's outcome, which nobody awaits any more (asyncio warns otherwise)."""
+    if not call.cancelled():
+        call.exception()
+
+
 class Inbound:
     """A consumer replica's listening socket, and the open streams waiting for items on it."""
 
@@ -151,15 +157,19 @@ class Inbound:
         call = start(ReplyTo(self.host, self.port, self.secret, key))
         inbox.call = asyncio.ensure_future(call)
         inbox.call.add_done_callback(lambda _: inbox.changed.set())
+        finished = False
         try:
             while True:
                 item = await inbox.get()
+                finished = item.finished
                 yield item
-                if item.finished:
+                if finished:
                     return
         finally:
             del self.inboxes[key]
-            if not inbox.call.done():
+            if finished:  # the call returns by itself once its last frame is out; cancelling would cost a
+                inbox.call.add_done_callback(_retrieve)  # remote call and a logged error per request
+            elif not inbox.call.done():
                 call.cancel()
                 inbox.call.cancel()
 

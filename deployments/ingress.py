@@ -78,21 +78,35 @@ def _sse(obj) -> bytes:
     return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
 
 
-@api.middleware("http")
-async def guard(request: Request, call_next):
-    """API key and body size, before any route runs. The settings are on `request.app.state`, set
-    by the replica: Serve runs its own copy of `api`, not this module's object."""
-    state, path, root = request.app.state, request.url.path, request.scope.get("root_path", "")
-    path = path[len(root):] if root and path.startswith(root) else path  # the route prefix of the app
-    refused = refusal(path, dict(request.headers), state.api_key, state.max_request_bytes)
-    if refused is None:
-        return await call_next(request)
-    status, message = refused
-    field = message.split(":")[0]
-    body = openai.error_body(InvalidRequestError(field, message.split(": ", 1)[1], status), status) \
-        if path.startswith("/v1/") else {"error": message}
-    headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
-    return JSONResponse(body, status_code=status, headers=headers)
+class Guard:
+    """API key and body size, before any route runs. A plain ASGI middleware: Starlette's
+    `@app.middleware("http")` copies every chunk of a streamed response through an extra task and
+    memory stream, a cost per SSE event on the hottest path. The settings are on the app's state,
+    set by the replica: Serve runs its own copy of `api`, not this module's object."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        state, path, root = scope["app"].state, scope["path"], scope.get("root_path", "")
+        path = path[len(root):] if root and path.startswith(root) else path  # the route prefix of the app
+        headers: dict[str, str] = {}
+        for name, value in scope["headers"]:
+            headers.setdefault(name.decode("latin-1").lower(), value.decode("latin-1"))
+        refused = refusal(path, headers, state.api_key, state.max_request_bytes)
+        if refused is None:
+            return await self.app(scope, receive, send)
+        status, message = refused
+        field = message.split(":")[0]
+        body = openai.error_body(InvalidRequestError(field, message.split(": ", 1)[1], status), status) \
+            if path.startswith("/v1/") else {"error": message}
+        headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
+        await JSONResponse(body, status_code=status, headers=headers)(scope, receive, send)
+
+
+api.add_middleware(Guard)
 
 
 @serve.deployment(name="Ingress")

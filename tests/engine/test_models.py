@@ -16,6 +16,7 @@ VARIANTS = {
     "qwen2-qkv-bias": ("Qwen2Config", dict(tie_word_embeddings=False)),
     "mistral": ("MistralConfig", dict(tie_word_embeddings=False, sliding_window=None)),
     "tinyllama-mha": ("LlamaConfig", dict(num_key_value_heads=4)),
+    "qwen3-qk-norm": ("Qwen3Config", dict(tie_word_embeddings=True, head_dim=32)),  # head_dim != hidden / heads
 }
 
 
@@ -31,6 +32,10 @@ def test_architecture_variants_match_transformers(tmp_path, variant):
         for layer in model.model.layers:
             for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                 torch.nn.init.normal_(proj.bias, std=0.5)
+    if variant == "qwen3-qk-norm":  # HF initialises norm weights to one; make them count
+        for layer in model.model.layers:
+            for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
+                torch.nn.init.normal_(norm.weight, mean=1.0, std=0.5)
     model.save_pretrained(tmp_path)
     prompts = random_prompts(3, 5, 90, vocab=200, seed=2)
     engine = make_engine(tmp_path)

@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM2, TinyLlama) over a paged KV cache."""
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM2, TinyLlama) over a paged KV cache."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -12,7 +12,7 @@ from app.engine.models.layers import (Linear, MergedLinear, RMSNorm, RotaryEmbed
                                       cpu_packing_available)
 from app.engine.parallel import SINGLE, ParallelLayout, TensorParallel
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 @dataclass
@@ -33,6 +33,7 @@ class ModelConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool
     qkv_bias: bool
+    qk_norm: bool  # Qwen3: an RMSNorm over each query and key head, before the rotation
     eos_token_ids: tuple[int, ...]
     sliding_window: int | None
 
@@ -56,7 +57,8 @@ class ModelConfig:
             rope_theta=theta, rope_scaling=scaling,
             max_position_embeddings=d.get("max_position_embeddings", 2048),
             tie_word_embeddings=d.get("tie_word_embeddings", False),
-            qkv_bias=d.get("attention_bias", model_type == "qwen2"), eos_token_ids=eos_ids,
+            qkv_bias=d.get("attention_bias", model_type == "qwen2"), qk_norm=model_type == "qwen3",
+            eos_token_ids=eos_ids,
             sliding_window=window,
         )
 
@@ -80,10 +82,18 @@ class Attention(nn.Module):
         self.scale = cfg.head_dim ** -0.5
         half = cfg.head_dim // 2
         self.fusable = cfg.head_dim % 2 == 0 and half & (half - 1) == 0  # the fused kernel's tile is a power of 2
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
 
     def forward(self, x, rope, kv_cache, meta: AttentionMetadata, lora):
         qkv = self.qkv_proj(x, lora)
         t = x.shape[0]
+        if self.q_norm is not None:  # in place, so both paths below rotate the normed heads
+            q_size, kv_size = self.split[0], self.split[1]
+            q = qkv[:, :q_size].view(t, self.num_heads, self.head_dim)
+            k = qkv[:, q_size:q_size + kv_size].view(t, self.num_kv_heads, self.head_dim)
+            q.copy_(self.q_norm(q))
+            k.copy_(self.k_norm(k))
         if qkv.is_cuda and self.fusable:  # rotate q, k in place and write k, v to the cache: one kernel
             from app.engine.models.triton_fused import rotary_store
             q, k, v = rotary_store(qkv, self.num_heads, self.num_kv_heads, *rope, kv_cache[0], kv_cache[1],

@@ -16,6 +16,7 @@ VARIANTS = {
     "qwen2-qkv-bias": ("Qwen2Config", dict(tie_word_embeddings=False)),
     "mistral": ("MistralConfig", dict(tie_word_embeddings=False, sliding_window=None)),
     "tinyllama-mha": ("LlamaConfig", dict(num_key_value_heads=4)),
+    "phi3-fused-qkv-gate-up": ("Phi3Config", dict(tie_word_embeddings=False, sliding_window=None, pad_token_id=0)),
     "qwen3-qk-norm": ("Qwen3Config", dict(tie_word_embeddings=True, head_dim=32)),  # head_dim != hidden / heads
 }
 

@@ -48,6 +48,12 @@ class MergedLinear(nn.Module):
         start = sum(self.out_sizes[:shard])
         getattr(self, name)[start:start + self.out_sizes[shard]].copy_(tensor)
 
+    def load_fused(self, name: str, tensor: torch.Tensor) -> None:
+        """Copy an HF tensor that holds every projection already concatenated (Phi-3's qkv_proj)."""
+        whole = [size * self.tp.size if self.parallel == "column" else size for size in self.out_sizes]
+        for shard, part in enumerate(tensor.split(whole, dim=0)):
+            self.load_shard(name, part, shard)
+
     def pack_for_cpu(self) -> None:
         """Reorder the weight into oneDNN's blocked layout once. On the 2-core dev CPU this halves
         small-batch matmul time against the plain layout (see docs/PERFORMANCE.md)."""

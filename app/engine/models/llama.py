@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM2, TinyLlama) over a paged KV cache."""
+"""Llama-family decoder (Llama 2/3, Mistral, Phi-3, Qwen2, Qwen3, SmolLM2, TinyLlama) over a paged KV cache."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -12,7 +12,7 @@ from app.engine.models.layers import (Linear, MergedLinear, RMSNorm, RotaryEmbed
                                       cpu_packing_available)
 from app.engine.parallel import SINGLE, ParallelLayout, TensorParallel
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "phi3", "qwen2", "qwen3")
 
 
 @dataclass
@@ -45,10 +45,13 @@ class ModelConfig:
         rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
         theta = rope.get("rope_theta", d.get("rope_theta", 10000.0))
         scaling = rope if rope.get("rope_type", rope.get("type", "default")) != "default" else None
+        partial = rope.get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0))
+        if partial != 1.0:
+            raise ValueError(f"partial_rotary_factor {partial} is not supported (the whole head is rotated)")
         eos = d.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         heads = d["num_attention_heads"]
-        window = d.get("sliding_window") if d.get("use_sliding_window", model_type == "mistral") else None
+        window = d.get("sliding_window") if d.get("use_sliding_window", model_type in ("mistral", "phi3")) else None
         return cls(
             model_type=model_type, vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
             intermediate_size=d["intermediate_size"], num_layers=d["num_hidden_layers"], num_heads=heads,
@@ -148,9 +151,11 @@ class LlamaForCausalLM(nn.Module):
     (the first stage the embedding, the last the final norm and lm_head), and under tensor
     parallelism each layer holds its slice of heads and MLP columns."""
 
-    # HF tensor name -> (our parameter path, shard index within a merged linear)
+    # HF tensor name -> (our parameter path, shard index within a merged linear). A checkpoint that
+    # already fuses them (Phi-3's qkv_proj, gate_up_proj) names the merged linear itself: shard None.
     PACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
               "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+    FUSED = ("qkv_proj", "gate_up_proj")
 
     def __init__(self, cfg: ModelConfig, max_positions: int, dtype: torch.dtype,
                  layout: ParallelLayout = ParallelLayout(), tp: TensorParallel = SINGLE):
@@ -217,6 +222,8 @@ class LlamaForCausalLM(nn.Module):
         shard = 0
         if len(parts) >= 4 and parts[-2] in self.PACKED:
             parts[-2], shard = self.PACKED[parts[-2]]
+        elif len(parts) >= 4 and parts[-2] in self.FUSED:
+            shard = None
         return self.get_submodule(".".join(parts[:-1])), parts[-1], shard
 
     def load_hf_tensor(self, name: str, tensor: torch.Tensor) -> bool:
@@ -225,7 +232,9 @@ class LlamaForCausalLM(nn.Module):
         if target is None:
             return False
         module, param, shard = target
-        if isinstance(module, MergedLinear):
+        if isinstance(module, MergedLinear) and shard is None:
+            module.load_fused(param, tensor)
+        elif isinstance(module, MergedLinear):
             module.load_shard(param, tensor, shard)
         else:
             getattr(module, param).copy_(tensor)

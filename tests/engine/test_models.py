@@ -17,12 +17,14 @@ VARIANTS = {
     "mistral": ("MistralConfig", dict(tie_word_embeddings=False, sliding_window=None)),
     "tinyllama-mha": ("LlamaConfig", dict(num_key_value_heads=4)),
     "phi3-fused-qkv-gate-up": ("Phi3Config", dict(tie_word_embeddings=False, sliding_window=None, pad_token_id=0)),
+    "mixtral-top2-of-4": ("MixtralConfig", dict(tie_word_embeddings=False, sliding_window=None, num_local_experts=4,
+                                                num_experts_per_tok=2)),
     "qwen3-qk-norm": ("Qwen3Config", dict(tie_word_embeddings=True, head_dim=32)),  # head_dim != hidden / heads
 }
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
-def test_architecture_variants_match_transformers(tmp_path, variant):
+def _save_tiny(path, variant: str):
+    """A tiny random model of `variant`, saved as a checkpoint at `path`."""
     import transformers
 
     config_cls, extra = VARIANTS[variant]
@@ -37,11 +39,30 @@ def test_architecture_variants_match_transformers(tmp_path, variant):
         for layer in model.model.layers:
             for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
                 torch.nn.init.normal_(norm.weight, mean=1.0, std=0.5)
-    model.save_pretrained(tmp_path)
+    model.save_pretrained(path)
+    return model
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_architecture_variants_match_transformers(tmp_path, variant):
+    model = _save_tiny(tmp_path, variant)
     prompts = random_prompts(3, 5, 90, vocab=200, seed=2)
     engine = make_engine(tmp_path)
     outputs = engine.generate(prompts, SamplingParams(max_tokens=30, temperature=0.0))
     assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(model, p, 30) for p in prompts]
+
+
+@pytest.mark.parametrize("variant", ["phi3-fused-qkv-gate-up", "mixtral-top2-of-4", "qwen3-qk-norm"])
+def test_new_families_split_over_two_tensor_parallel_ranks(tmp_path, variant):
+    """Fused checkpoint tensors, experts and per-head norms are sliced per rank (gloo, two processes)."""
+    model = _save_tiny(tmp_path, variant)
+    prompts = random_prompts(2, 5, 60, vocab=200, seed=3)
+    engine = make_engine(tmp_path, tensor_parallel_size=2)
+    try:
+        outputs = engine.generate(prompts, SamplingParams(max_tokens=20, temperature=0.0))
+    finally:
+        engine.shutdown()
+    assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(model, p, 20) for p in prompts]
 
 
 def test_gguf_conversion_reproduces_the_gguf_model(smollm2_dir, smollm2_hf):

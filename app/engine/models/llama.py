@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama 2/3, Mistral, Phi-3, Qwen2, Qwen3, SmolLM2, TinyLlama) over a paged KV cache."""
+"""Llama-family decoder (Llama 2/3, Mistral, Mixtral, Phi-3, Qwen2, Qwen3, SmolLM2, TinyLlama) over a paged KV cache."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -10,9 +10,10 @@ from torch import nn
 from app.engine.models.attention import AttentionMetadata, paged_attention, store_kv
 from app.engine.models.layers import (Linear, MergedLinear, RMSNorm, RotaryEmbedding, apply_rotary,
                                       cpu_packing_available)
+from app.engine.models.moe import SparseMoE
 from app.engine.parallel import SINGLE, ParallelLayout, TensorParallel
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "phi3", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "mixtral", "phi3", "qwen2", "qwen3")
 
 
 @dataclass
@@ -36,6 +37,8 @@ class ModelConfig:
     qk_norm: bool  # Qwen3: an RMSNorm over each query and key head, before the rotation
     eos_token_ids: tuple[int, ...]
     sliding_window: int | None
+    num_experts: int = 0  # Mixtral: a sparse mixture of experts in place of the MLP
+    experts_per_token: int = 0
 
     @classmethod
     def from_hf(cls, d: dict) -> ModelConfig:
@@ -51,7 +54,8 @@ class ModelConfig:
         eos = d.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         heads = d["num_attention_heads"]
-        window = d.get("sliding_window") if d.get("use_sliding_window", model_type in ("mistral", "phi3")) else None
+        window = d.get("sliding_window") if d.get("use_sliding_window", model_type in ("mistral", "mixtral", "phi3")) \
+            else None
         return cls(
             model_type=model_type, vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
             intermediate_size=d["intermediate_size"], num_layers=d["num_hidden_layers"], num_heads=heads,
@@ -62,7 +66,8 @@ class ModelConfig:
             tie_word_embeddings=d.get("tie_word_embeddings", False),
             qkv_bias=d.get("attention_bias", model_type == "qwen2"), qk_norm=model_type == "qwen3",
             eos_token_ids=eos_ids,
-            sliding_window=window,
+            sliding_window=window, num_experts=d.get("num_local_experts", 0) if model_type == "mixtral" else 0,
+            experts_per_token=d.get("num_experts_per_tok", 0),
         )
 
     @property
@@ -132,7 +137,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.self_attn = Attention(cfg, dtype, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.mlp = MLP(cfg, dtype, tp)
+        self.mlp = SparseMoE(cfg.hidden_size, cfg.intermediate_size, cfg.num_experts, cfg.experts_per_token, dtype, tp) \
+            if cfg.num_experts else MLP(cfg, dtype, tp)
 
     def forward(self, x, residual, rope, kv_cache, meta, lora):
         """x: the previous layer's MLP output, added here to the residual stream (None before the
@@ -219,6 +225,10 @@ class LlamaForCausalLM(nn.Module):
             parts[1] = str(index - self.layer_ids.start)
         elif not hasattr(self, parts[0]):  # embedding, norm or head of another stage
             return None
+        if len(parts) > 3 and parts[2] == "block_sparse_moe":  # Mixtral: layers.i.block_sparse_moe.{gate,experts.e.w1}
+            parts[2] = "mlp"
+            if parts[3] == "experts":
+                return self.get_submodule(".".join(parts[:3])), parts[5], int(parts[4])
         shard = 0
         if len(parts) >= 4 and parts[-2] in self.PACKED:
             parts[-2], shard = self.PACKED[parts[-2]]
@@ -232,7 +242,9 @@ class LlamaForCausalLM(nn.Module):
         if target is None:
             return False
         module, param, shard = target
-        if isinstance(module, MergedLinear) and shard is None:
+        if isinstance(module, SparseMoE):
+            module.load_expert(param, tensor, shard)
+        elif isinstance(module, MergedLinear) and shard is None:
             module.load_fused(param, tensor)
         elif isinstance(module, MergedLinear):
             module.load_shard(param, tensor, shard)

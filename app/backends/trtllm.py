@@ -75,6 +75,8 @@ class TrtllmBackend:
     def sampling_params(self, params: SamplingParams) -> object:
         """Our parameters as tensorrt_llm.SamplingParams (field names from its public dataclass)."""
         single = lambda seqs: [s[0] for s in seqs if len(s) == 1]  # noqa: E731
+        if params.guide is not None:  # TensorRT-LLM's GuidedDecodingParams: not wired up yet
+            raise InvalidRequestError(params.guide.field, "guided decoding is not supported by the trtllm backend yet")
         if any(len(s) > 1 for s in params.bad_token_ids):
             raise InvalidRequestError("bad_words", "the trtllm backend bans single tokens only; every bad word "
                                                    "must be one token")

@@ -13,6 +13,7 @@ from app.engine.block_manager import BlockManager
 from app.engine.config import EngineConfig
 from app.engine.errors import InvalidRequestError
 from app.engine.executor import WorkerLauncher
+from app.engine.guided import GrammarCompiler
 from app.engine.model_loader import read_model_config, resolve_model_dir
 from app.engine.model_runner import LaunchedStep, ModelRunner
 from app.engine.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput
@@ -44,7 +45,7 @@ class Request:
         """Whether its steps can be queued before the last one is read back: sampling that looks
         at earlier token values (penalties, bad words) or beams need every token on the host."""
         p = self.params
-        return self.beam is None and not p.needs_penalties and not p.bad_token_ids
+        return self.beam is None and not p.needs_penalties and not p.bad_token_ids and p.guide is None
 
 
 class LLMEngine:
@@ -64,6 +65,7 @@ class LLMEngine:
         self.limits = request_limits(config, model_cfg.vocab_size, self.max_seq_len,
                                      max_cache_tokens=self.runner.num_blocks * kv.tokens_per_block)
         self.eos_ids = frozenset(model_cfg.eos_token_ids)
+        self.grammars = GrammarCompiler(self.model_dir, model_cfg.vocab_size, tuple(sorted(self.eos_ids)))
         self.requests: dict[str, Request] = {}
         self._seq_ids = itertools.count()
         self.num_steps = 0
@@ -90,8 +92,12 @@ class LLMEngine:
                                                  "(with its path) and then send its name")
         arrival_ns = arrival_ns or time.time_ns()
         num_seqs = 1 if params.beam_width > 1 else params.n
+        # Compiled (or found in the cache) before anything is queued: a guide that fails is a 400.
+        matchers = [self.grammars.matcher(params.guide) for _ in range(num_seqs)] if params.guide else None
         seqs = [Sequence(next(self._seq_ids), request_id, i, prompt_token_ids, params, self.eos_ids,
                          self._generator(params, i), adapter_id, arrival_ns) for i in range(num_seqs)]
+        for seq, matcher in zip(seqs, matchers or ()):
+            seq.grammar = matcher
         request = Request(request_id, params, seqs, arrival_ns=arrival_ns)
         if params.beam_width > 1:
             request.beam = BeamGroup(seqs[0], params.beam_width)

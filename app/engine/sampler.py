@@ -91,15 +91,19 @@ class Sampler:
         for i, seq in enumerate(seqs):
             p = seq.params
             banned = []
-            if seq.num_output_tokens < p.min_tokens and not p.ignore_eos:
+            # A guided output ends when its grammar says so: min_tokens does not hold its end back.
+            if seq.num_output_tokens < p.min_tokens and not p.ignore_eos and seq.grammar is None:
                 banned.extend(seq.eos_ids)
             for bad in p.bad_token_ids:
                 if len(bad) == 1 or seq.token_ids[len(seq.token_ids) - len(bad) + 1:] == bad[:-1]:
                     banned.append(bad[-1])
-            if not banned and not p.needs_penalties:
+            if not banned and not p.needs_penalties and seq.grammar is None:
                 continue
             if not copied:
                 logits, copied = logits.clone(), True
+            if seq.grammar is not None:
+                allowed = seq.grammar.allowed(logits.shape[-1]).to(logits.device, non_blocking=True)
+                logits[i].masked_fill_(~allowed, float("-inf"))
             if p.needs_penalties:
                 _apply_penalties(logits[i], seq)
             if banned:

@@ -6,10 +6,12 @@ from dataclasses import dataclass, field
 
 from app.engine.config import EngineConfig
 from app.engine.errors import InvalidRequestError
+from app.engine.guided import Guide
 
 # Below this a temperature divides logits into infinities and NaNs; it means greedy (vLLM's rule).
 MIN_SAMPLING_TEMPERATURE = 1e-5
 SEED_LIMIT = 1 << 64  # torch generators take unsigned 64-bit seeds
+MAX_GUIDE_CHARS = 1 << 16  # a schema, regex or grammar; compiling one holds up the engine's loop
 
 
 @dataclass
@@ -40,6 +42,7 @@ class SamplingParams:
     n: int = 1  # independent samples (num_return_sequences)
     beam_width: int = 1
     length_penalty: float = 1.0  # beam search: score / generated_length ** length_penalty
+    guide: Guide | None = None  # guided decoding: the output must match it (app/engine/guided.py)
 
     @property
     def greedy(self) -> bool:
@@ -130,6 +133,10 @@ def validate_request(prompt_token_ids: list[int], p: SamplingParams, limits: Req
     _check(1 <= p.beam_width <= limits.max_beam_width, "beam_width", f"must be in [1, {limits.max_beam_width}]")
     if p.beam_width > 1:
         _check(p.n <= p.beam_width, "n", f"must not exceed beam_width ({p.beam_width}) with beam search")
+        _check(p.guide is None, p.guide.field if p.guide else "", "guided decoding does not combine with beam search")
+    if p.guide is not None:
+        _check(len(p.guide.spec) <= MAX_GUIDE_CHARS, p.guide.field,
+               f"{len(p.guide.spec)} characters exceed the limit of {MAX_GUIDE_CHARS}")
     for name in ("end_id", "pad_id"):
         value = getattr(p, name)
         _check(value is None or 0 <= value < limits.vocab_size, name, f"must be in [0, {limits.vocab_size})")

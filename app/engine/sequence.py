@@ -43,6 +43,7 @@ class Sequence:
         self.eos_ids = frozenset([params.end_id]) if params.end_id is not None else eos_ids
         self.generator = generator
         self.adapter_id = adapter_id
+        self.grammar = None  # guided decoding: a GrammarMatcher (app/engine/guided.py) the tokens advance
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0
         self.block_table: list[int] = []
@@ -87,6 +88,8 @@ class Sequence:
 
     # -- generation --------------------------------------------------------------------------------
     def append_token(self, token_id: int, logprob: float) -> None:
+        if self.grammar is not None:
+            self.grammar.accept(token_id)
         self.token_ids.append(token_id)
         self.output_logprobs.append(logprob)
         self.cumulative_logprob += logprob

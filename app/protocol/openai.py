@@ -1,6 +1,7 @@
 """OpenAI-compatible /v1 shapes: models, completions, chat completions (streaming and not)."""
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Any, Literal
@@ -8,6 +9,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from app.engine.errors import InvalidRequestError
+from app.engine.guided import Guide
 from app.engine.sampling_params import SamplingParams
 from app.protocol.messages import GenerationJob, TextChunk
 
@@ -15,13 +17,27 @@ from app.protocol.messages import GenerationJob, TextChunk
 # OpenAI fields this server does not implement, with the one value of each that asks for nothing
 # (clients often send it): accepted. Any other value, and any field not named anywhere, is refused
 # by name: a client asking for JSON must not get a 200 with free text.
-NEUTRAL = {"response_format": {"type": "text"}, "logit_bias": {}, "tools": [], "tool_choice": "none",
+NEUTRAL = {"logit_bias": {}, "tools": [], "tool_choice": "none",
            "best_of": 1, "top_logprobs": 0, "suffix": ""}
 
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: bool = False  # the last streamed chunk carries usage either way
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: str = Field(max_length=64)
+    description: str | None = None
+    json_schema: dict = Field(alias="schema")
+    strict: bool | None = None  # the output always matches the schema, strict or not
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class _Request(BaseModel):
@@ -45,6 +61,12 @@ class _Request(BaseModel):
     repetition_penalty: float = Field(1.0, gt=0.0)
     min_tokens: int = Field(0, ge=0)
     ignore_eos: bool = False
+    response_format: ResponseFormat | None = None
+    # vLLM's guided decoding extras
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = Field(None, min_length=1)
+    guided_grammar: str | None = None
 
 
 class CompletionRequest(_Request):
@@ -97,6 +119,35 @@ def _validate(cls, body: Any):
                                   err["msg"].removeprefix("Value error, ")) from None
 
 
+def _guide(req: _Request) -> Guide | None:
+    """At most one guide: response_format (json_object, json_schema) or one of vLLM's guided_*."""
+    guides = []
+    fmt = req.response_format
+    if fmt is not None and fmt.type == "json_object":
+        guides.append(Guide("json", "", "response_format"))
+    elif fmt is not None and fmt.type == "json_schema":
+        if fmt.json_schema is None:
+            raise InvalidRequestError("response_format.json_schema", "is required for type json_schema")
+        guides.append(Guide("json_schema", json.dumps(fmt.json_schema.json_schema), "response_format.json_schema"))
+    if req.guided_json is not None:
+        spec = req.guided_json if isinstance(req.guided_json, str) else json.dumps(req.guided_json)
+        guides.append(Guide("json_schema", spec, "guided_json"))
+    if req.guided_regex is not None:
+        guides.append(Guide("regex", req.guided_regex, "guided_regex"))
+    if req.guided_choice is not None:
+        guides.append(Guide("regex", "|".join(_regex_literal(c) for c in req.guided_choice), "guided_choice"))
+    if req.guided_grammar is not None:
+        guides.append(Guide("ebnf", req.guided_grammar, "guided_grammar"))
+    if len(guides) > 1:
+        raise InvalidRequestError(guides[1].field, f"only one guide per request ({guides[0].field} is set too)")
+    return guides[0] if guides else None
+
+
+def _regex_literal(text: str) -> str:
+    """`text` matched literally: its regex metacharacters escaped."""
+    return "(" + "".join("\\" + c if c in r"\.^$*+?{}[]|()" else c for c in text) + ")"
+
+
 def _job(req: _Request, max_tokens_default: int, logprobs: bool, **prompt) -> GenerationJob:
     stop = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
     params = SamplingParams(
@@ -104,7 +155,7 @@ def _job(req: _Request, max_tokens_default: int, logprobs: bool, **prompt) -> Ge
         top_p=req.top_p, top_k=req.top_k, min_p=req.min_p, n=req.n, seed=req.seed,
         presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
         repetition_penalty=req.repetition_penalty, min_tokens=req.min_tokens, ignore_eos=req.ignore_eos,
-        logprobs=logprobs)
+        logprobs=logprobs, guide=_guide(req))
     return GenerationJob(request_id=f"cmpl-{uuid.uuid4().hex}", params=params, stop=stop, api="openai", **prompt)
 
 

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import math
 import uuid
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from app.engine.errors import InvalidRequestError
+from app.engine.guided import Guide
 from app.engine.sampling_params import SamplingParams
 from app.protocol.messages import AdapterRef, GenerationJob, TextChunk
 
@@ -83,6 +84,8 @@ class TritonGenerateRequest(BaseModel):
     lora_path: str | None = None
     lora_id: int | str | None = None  # llmapi: lora_id + lora_name + lora_path together
     lora_name: str | None = None
+    guided_decoding_guide_type: Literal["json", "json_schema", "regex", "ebnf_grammar", "structural_tag"] | None = None
+    guided_decoding_guide: str | None = None
 
     @field_validator("bad_words", "stop_words", mode="before")
     @classmethod
@@ -143,11 +146,27 @@ def parse_generate(model: str, body: Any, served_name: str, max_tokens_default: 
         frequency_penalty=req.frequency_penalty or 0.0, min_tokens=req.min_tokens or 0,
         stop_token_ids=req.stop_token_ids or [], bad_token_ids=req.bad_token_ids or [],
         logprobs=bool(req.return_log_probs), n=req.num_return_sequences or _default_n(req),
-        beam_width=req.beam_width or 1, ignore_eos=bool(req.ignore_eos), length_penalty=req.length_penalty if req.length_penalty is not None else 1.0)
+        beam_width=req.beam_width or 1, ignore_eos=bool(req.ignore_eos), length_penalty=req.length_penalty if req.length_penalty is not None else 1.0,
+        guide=_guide(req))
     job = GenerationJob(request_id=req.request_id or uuid.uuid4().hex, params=params, prompt=req.text_input,
                         prompt_token_ids=req.input_ids, stop=req.stop_words or [], bad_words=req.bad_words or [],
                         adapter=_adapter(req))
     return job, req
+
+
+def _guide(req: TritonGenerateRequest) -> Guide | None:
+    """TensorRT-LLM's guided decoding inputs (its GuidedDecodingParams types, less structural tags)."""
+    kind, spec = req.guided_decoding_guide_type, req.guided_decoding_guide
+    if kind is None:
+        if spec is not None:
+            raise InvalidRequestError("guided_decoding_guide_type", "is required with guided_decoding_guide")
+        return None
+    if kind == "structural_tag":
+        raise InvalidRequestError("guided_decoding_guide_type", "structural_tag is not supported (json, "
+                                                                "json_schema, regex, ebnf_grammar are)")
+    if kind != "json" and not spec:
+        raise InvalidRequestError("guided_decoding_guide", f"is required for guide type {kind}")
+    return Guide({"ebnf_grammar": "ebnf"}.get(kind, kind), spec or "", "guided_decoding_guide")
 
 
 def _default_n(req) -> int:

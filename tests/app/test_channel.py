@@ -43,6 +43,17 @@ async def deltas(n: int, gap_s: float = 0.0, log: list | None = None, fail_at: i
             log.append("closed")
 
 
+def _plane(n: int, gap_s: float = 0.0, log: list | None = None):
+    """A consumer and a producer on loopback, and the `start` of a call producing `n` deltas (kept in `calls`)."""
+    inbound, outbound, calls = Inbound("127.0.0.1", merge), Outbound(merge, max_interval_ms=0), []
+
+    def start(to):
+        calls.append(Call(outbound.stream(to, deltas(n, gap_s, log))))
+        return calls[-1]
+
+    return inbound, outbound, calls, start
+
+
 def run(coroutine):
     return asyncio.run(asyncio.wait_for(coroutine, 30))
 
@@ -95,14 +106,8 @@ def test_a_producer_error_ends_the_stream_after_what_came_before():
 
 def test_leaving_early_cancels_the_call_and_closes_the_producer():
     async def main():
-        inbound, outbound = Inbound("127.0.0.1", merge), Outbound(merge, max_interval_ms=0)
         log = []
-        calls = []
-
-        def start(to):
-            calls.append(Call(outbound.stream(to, deltas(1000, 0.005, log))))
-            return calls[-1]
-
+        inbound, _, calls, start = _plane(1000, 0.005, log)
         async for d in inbound.receive(start):
             break
         await asyncio.sleep(0.1)
@@ -116,14 +121,8 @@ def test_a_dead_consumer_cancels_what_is_produced_for_it():
     """The consumer's socket closes (its process died): the producer's stream is cancelled, so
     the work upstream (the engine's request) stops."""
     async def main():
-        inbound, outbound = Inbound("127.0.0.1", merge), Outbound(merge, max_interval_ms=0)
         log = []
-        calls = []
-
-        def start(to):
-            calls.append(Call(outbound.stream(to, deltas(100_000, 0.002, log))))
-            return calls[-1]
-
+        inbound, outbound, calls, start = _plane(100_000, 0.002, log)
         receiving = inbound.receive(start)
         await anext(receiving)
         inbound._server.close()
@@ -184,13 +183,7 @@ def test_a_slow_reader_costs_one_merged_item_per_request():
     """The reader takes nothing while 500 deltas are produced: its request holds one merged item
     (memory per request, not per step), and nothing is lost."""
     async def main():
-        inbound, outbound = Inbound("127.0.0.1", merge), Outbound(merge, max_interval_ms=0)
-        calls = []
-
-        def start(to):
-            calls.append(Call(outbound.stream(to, deltas(500))))
-            return calls[-1]
-
+        inbound, _, calls, start = _plane(500)
         receiving = inbound.receive(start)
         first = await anext(receiving)
         await calls[0].task  # the producer finished while the reader took nothing more

@@ -1,5 +1,6 @@
 """/v1 bodies: fields this server does not implement are refused by name, never silently ignored;
-their neutral values (what clients send by default) pass; chat content may be text parts."""
+their neutral values (what clients send by default) pass; chat content may be text parts; guides
+(response_format, vLLM's guided_*) become one engine Guide."""
 import pytest
 
 from app.engine import InvalidRequestError
@@ -9,7 +10,6 @@ BASE = {"model": "m", "prompt": "Hi"}
 
 
 @pytest.mark.parametrize("field, value", [
-    ("response_format", {"type": "json_object"}),
     ("tools", [{"type": "function", "function": {"name": "f"}}]),
     ("tool_choice", "auto"),
     ("logit_bias", {"42": 100}),
@@ -42,3 +42,28 @@ def test_chat_text_parts_join_and_other_parts_are_refused():
     with pytest.raises(InvalidRequestError) as err:
         parse_chat({"model": "m", "messages": [{"role": "user", "content": "hi", "name": "bob"}]}, 16)
     assert err.value.field == "messages.0.name"
+
+
+@pytest.mark.parametrize("extra, kind, spec, field", [
+    ({"response_format": {"type": "json_object"}}, "json", "", "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "object"},
+                                                                 "strict": True}}},
+     "json_schema", '{"type": "object"}', "response_format.json_schema"),
+    ({"guided_json": {"type": "array"}}, "json_schema", '{"type": "array"}', "guided_json"),
+    ({"guided_regex": "[0-9]+"}, "regex", "[0-9]+", "guided_regex"),
+    ({"guided_choice": ["a.b", "c"]}, "regex", r"(a\.b)|(c)", "guided_choice"),
+    ({"guided_grammar": 'root ::= "x"'}, "ebnf", 'root ::= "x"', "guided_grammar"),
+])
+def test_guides_become_one_engine_guide(extra, kind, spec, field):
+    job, _ = parse_completion({**BASE, **extra}, 16)
+    guide = job.params.guide
+    assert (guide.kind, guide.spec, guide.field) == (kind, spec, field)
+
+
+def test_two_guides_or_a_schema_type_without_its_schema_are_refused():
+    with pytest.raises(InvalidRequestError) as err:
+        parse_completion({**BASE, "response_format": {"type": "json_object"}, "guided_regex": "x"}, 16)
+    assert err.value.field == "guided_regex" and "only one guide" in err.value.message
+    with pytest.raises(InvalidRequestError) as err:
+        parse_completion({**BASE, "response_format": {"type": "json_schema"}}, 16)
+    assert err.value.field == "response_format.json_schema"

@@ -49,9 +49,10 @@ def test_bad_request_raises_client_error(client):
         client.completions.create(model="smollm2-135m", prompt="x", max_tokens=10**6)
 
 
-def test_structured_output_is_refused_not_ignored(client):
-    """A client asking for JSON must not get a 200 with free text."""
+def test_tool_calling_is_refused_not_ignored(client):
+    """A client asking for tool calls must not get a 200 with free text (response_format is
+    served: tests/serve/test_guided_http.py)."""
     with pytest.raises(openai.BadRequestError) as err:
-        client.chat.completions.create(model="smollm2-135m", max_tokens=8, response_format={"type": "json_object"},
-                                       messages=[{"role": "user", "content": "Hi"}])
-    assert err.value.body["param"] == "response_format"
+        client.chat.completions.create(model="smollm2-135m", max_tokens=8, messages=[{"role": "user", "content": "Hi"}],
+                                       tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}])
+    assert err.value.body["param"] == "tools"

@@ -1,0 +1,99 @@
+"""Guided decoding: output held to a JSON schema, any JSON, a regex or an EBNF grammar (xgrammar).
+
+A request's `Guide` is compiled once per distinct guide (xgrammar's compiler caches by content,
+bounded) into a grammar; each of its sequences walks that grammar with its own matcher. Before a
+step samples, the matcher's token bitmask removes every token the grammar does not allow next;
+after, the sampled token advances the matcher. A guided request therefore needs its previous
+token on the host before the next step samples: it steps without overlap, as penalties do.
+"""
+from __future__ import annotations
+
+import re
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from app.engine.errors import InvalidRequestError
+
+KINDS = ("json", "json_schema", "regex", "ebnf")
+CACHE_BYTES = 256 << 20  # compiled grammars kept (xgrammar evicts the least recently used)
+
+
+@dataclass(frozen=True)
+class Guide:
+    """What the output must match. `kind`: json (a JSON object, as OpenAI's json_object),
+    json_schema, regex or ebnf; `spec`: the schema (JSON text), the regex or the grammar ("" for
+    json). `field` is the request field it came from, named in errors."""
+    kind: str
+    spec: str = ""
+    field: str = "guided_decoding"
+
+
+class GrammarCompiler:
+    """Compiles guides for one model's vocabulary; its tokenizer is read on first use."""
+
+    def __init__(self, model_dir: Path, vocab_size: int, eos_ids: tuple[int, ...]):
+        self.model_dir, self.vocab_size, self.eos_ids = model_dir, vocab_size, eos_ids
+        self._compiler = None
+        self._lock = threading.Lock()
+
+    def _get(self):
+        with self._lock:
+            if self._compiler is None:
+                import xgrammar
+                from transformers import AutoTokenizer
+
+                tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+                info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size,
+                                                               stop_token_ids=list(self.eos_ids) or None)
+                self._compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_limit_bytes=CACHE_BYTES)
+            return self._compiler
+
+    def matcher(self, guide: Guide) -> GrammarMatcher:
+        """A fresh matcher at the start of `guide`; InvalidRequestError naming its field when the
+        guide does not compile."""
+        import xgrammar
+
+        if guide.kind not in KINDS:
+            raise InvalidRequestError(guide.field, f"guide type {guide.kind!r} is not supported ({', '.join(KINDS)})")
+        compiler = self._get()
+        try:
+            if guide.kind == "json":
+                grammar = compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
+            elif guide.kind == "json_schema":
+                grammar = compiler.compile_json_schema(guide.spec, any_whitespace=False)
+            elif guide.kind == "regex":
+                grammar = compiler.compile_regex(guide.spec)
+            else:
+                grammar = compiler.compile_grammar(guide.spec)
+        except Exception as exc:  # noqa: BLE001 - xgrammar raises RuntimeError/ValueError with its reason
+            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            reason = re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", reason)[:300]  # xgrammar's time and source line
+            raise InvalidRequestError(guide.field, f"does not compile as {guide.kind}: {reason}") from None
+        return GrammarMatcher(xgrammar.GrammarMatcher(grammar), self.vocab_size)
+
+
+class GrammarMatcher:
+    """One sequence's position in its grammar."""
+
+    def __init__(self, matcher, vocab_size: int):
+        import xgrammar
+
+        self._matcher = matcher
+        self._bitmask = xgrammar.allocate_token_bitmask(1, vocab_size)
+        self._bits = torch.arange(32, dtype=torch.int32)
+
+    def allowed(self, vocab_size: int) -> torch.Tensor:
+        """A bool mask over the vocabulary of the tokens the grammar allows next."""
+        self._matcher.fill_next_token_bitmask(self._bitmask)
+        words = self._bitmask[0]
+        return ((words[:, None] >> self._bits) & 1).bool().flatten()[:vocab_size]
+
+    def accept(self, token_id: int) -> bool:
+        return self._matcher.accept_token(token_id)
+
+    @property
+    def terminated(self) -> bool:
+        return self._matcher.is_terminated()

@@ -1,0 +1,87 @@
+"""Guided decoding on SmolLM2 (xgrammar): outputs match their guide; where the guide allows the
+model's own greedy choice, the guided output is the unguided one; a guide that does not compile is
+refused naming the request field."""
+import json
+
+import jsonschema
+import pytest
+
+from app.engine import InvalidRequestError, SamplingParams
+from app.engine.guided import Guide
+from app.text import Tokenizer
+from tests.conftest import make_engine
+
+CAT = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+       "required": ["name", "age"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def engine(smollm2_dir):
+    return make_engine(smollm2_dir)
+
+
+@pytest.fixture(scope="module")
+def chat(smollm2_dir):
+    tokenizer = Tokenizer(smollm2_dir)
+    return tokenizer, lambda text: tokenizer.apply_chat_template([{"role": "user", "content": text}])
+
+
+def _text(engine, tokenizer, prompt, guide, **params):
+    out = engine.generate([prompt], SamplingParams(**{"max_tokens": 80, "temperature": 0.0, "guide": guide, **params}))[0]
+    return tokenizer.decode(out.outputs[0].token_ids), out.outputs[0].finish_reason
+
+
+def test_a_json_schema_guide_gives_a_valid_object(engine, chat):
+    tokenizer, prompt = chat
+    text, finish = _text(engine, tokenizer, prompt("Describe a cat as JSON with its name and age."),
+                         Guide("json_schema", json.dumps(CAT)))
+    jsonschema.validate(json.loads(text), CAT)
+    assert finish == "stop"
+
+
+def test_json_object_regex_and_grammar_guides_hold_sampled_output_too(engine, chat):
+    tokenizer, prompt = chat
+    text, finish = _text(engine, tokenizer, prompt("Say anything."), Guide("json"), max_tokens=200)
+    assert isinstance(json.loads(text), dict) and finish == "stop"
+    text, _ = _text(engine, tokenizer, prompt("Is water wet?"), Guide("regex", r"(yes|no), because [a-z ]{1,40}\."),
+                    temperature=1.0, seed=5)
+    assert text.startswith(("yes, because ", "no, because ")) and text.endswith(".")
+    text, _ = _text(engine, tokenizer, prompt("Count."), Guide("ebnf", 'root ::= digit digit? digit? ";"\ndigit ::= [0-9]'))
+    assert text[:-1].isdigit() and text.endswith(";")
+
+
+def test_where_the_guide_allows_the_greedy_token_the_output_is_unchanged(engine, chat):
+    tokenizer, prompt = chat
+    ids = prompt("What is the capital of France?")
+    free = engine.generate([ids], SamplingParams(max_tokens=12, temperature=0.0))[0].outputs[0].token_ids
+    # A regex that the free output satisfies token by token: any text starting with it.
+    text = tokenizer.decode(free)
+    literal = "".join("\\" + c if c in r"\.^$*+?{}[]|()" else c for c in text)
+    guided = engine.generate([ids], SamplingParams(max_tokens=12, temperature=0.0,
+                                                   guide=Guide("regex", literal + "[\\s\\S]*")))[0]
+    assert guided.outputs[0].token_ids == free
+
+
+def test_n_samples_each_follow_the_guide(engine, chat):
+    tokenizer, prompt = chat
+    out = engine.generate([prompt("Pick one.")], SamplingParams(max_tokens=8, temperature=1.0, seed=1, n=3,
+                                                                guide=Guide("regex", "(red|green|blue)")))[0]
+    assert {tokenizer.decode(c.token_ids) for c in out.outputs} <= {"red", "green", "blue"}
+
+
+@pytest.mark.parametrize("guide, message", [
+    (Guide("regex", "(unclosed", "guided_regex"), "does not compile as regex: Regex parsing error"),
+    (Guide("json_schema", "{not json", "response_format.json_schema"), "does not compile as json_schema"),
+    (Guide("ebnf", "root ::= missing", "guided_grammar"), "does not compile as ebnf"),
+    (Guide("structural_tag", "", "x"), "not supported"),
+])
+def test_a_guide_that_does_not_compile_is_refused_by_its_field(engine, guide, message):
+    with pytest.raises(InvalidRequestError) as err:
+        engine.add_request("bad", [1, 2, 3], SamplingParams(max_tokens=4, guide=guide))
+    assert err.value.field == guide.field and message in err.value.message
+    assert "/project/" not in err.value.message and "bad" not in engine.requests
+
+
+def test_beam_search_with_a_guide_is_refused(engine):
+    with pytest.raises(InvalidRequestError, match="does not combine with beam search"):
+        engine.add_request("beams", [1, 2, 3], SamplingParams(max_tokens=4, beam_width=2, guide=Guide("json")))

@@ -154,11 +154,11 @@ class Inbound:
             await self._start()
         key = next(self.keys)
         inbox = self.inboxes[key] = _Inbox(self.merge)
-        call = start(ReplyTo(self.host, self.port, self.secret, key))
-        inbox.call = asyncio.ensure_future(call)
-        inbox.call.add_done_callback(lambda _: inbox.changed.set())
-        finished = False
+        finished, call = False, None
         try:
+            call = start(ReplyTo(self.host, self.port, self.secret, key))
+            inbox.call = asyncio.ensure_future(call)
+            inbox.call.add_done_callback(lambda _: inbox.changed.set())
             while True:
                 item = await inbox.get()
                 finished = item.finished
@@ -167,11 +167,13 @@ class Inbound:
                     return
         finally:
             del self.inboxes[key]
-            if finished:  # the call returns by itself once its last frame is out; cancelling would cost a
-                inbox.call.add_done_callback(_retrieve)  # remote call and a logged error per request
-            elif not inbox.call.done():
-                call.cancel()
-                inbox.call.cancel()
+            if inbox.call is not None:
+                # Finished: the call returns by itself once its last frame is out (cancelling would
+                # cost a remote call and a logged error per request); left early: cancel it.
+                inbox.call.add_done_callback(_retrieve)
+                if not finished and not inbox.call.done():
+                    call.cancel()
+                    inbox.call.cancel()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         connection = object()

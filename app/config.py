@@ -127,8 +127,9 @@ class ServiceConfig(_Strict):
     lora_roots: list[str] = Field(default_factory=list, description="directories adapters may be loaded from")
     lora_adapters: dict[str, str] = Field(default_factory=dict, description="adapter name -> path (under a root)")
     kv_cache_config: KvCacheSection = KvCacheSection()
-    engine_process: bool = Field(True, description="backend torch, one device: run the engine loop in a process "
-                                 "of its own, away from the replica's request traffic and its GIL")
+    engine_process: bool | None = Field(None, description="backend torch, one device: run the engine loop in a "
+                                        "process of its own, away from the replica's request traffic and its GIL; "
+                                        "default: on for CUDA, off for CPU (a second process per replica)")
     cuda_graphs: bool = Field(EngineConfig.cuda_graphs, description="CUDA: replay decode steps from graphs")
     disable_overlap_scheduler: bool = Field(EngineConfig.disable_overlap_scheduler, description="read each step "
                                             "back before queuing the next (overlap is on by default on CUDA)")
@@ -178,7 +179,7 @@ class ServiceConfig(_Strict):
     def runs_engine_process(self) -> bool:
         if self.backend != "torch" or self.world_size > 1:  # a parallel engine's ranks are Ray actors
             return False
-        return self.engine_process
+        return self.engine_process if self.engine_process is not None else self.device != "cpu"
 
     @property
     def world_size(self) -> int:

@@ -1,13 +1,9 @@
 """Scale-out through real Serve on loopback: a TP x PP engine replica whose ranks sit in its
 placement group, and prefix-affine routing over two replicas (autoscaling: test_autoscaling.py)."""
-import json
-import threading
-import time
 
 import httpx
 import pytest
 import ray
-import yaml
 from ray import serve
 
 from deployments.app import build_app

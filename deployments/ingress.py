@@ -24,7 +24,7 @@ from app.adapters import AdapterPolicy
 from app.channel import Inbound
 from app.config import ServiceConfig
 from app.engine.errors import BackendError, EngineDeadError, EngineStepError, InvalidRequestError
-from app.protocol import openai, openapi, triton
+from app.protocol import openai, openapi, triton, triton_binary
 from app.protocol.body import parse_body
 from app.protocol.messages import AdapterRef, GenerationJob, TextChunk, check_job, merge_chunks
 from app.security import api_key, refusal
@@ -125,15 +125,18 @@ class Ingress:
         api.state.api_key = api_key(config.api_key)
         api.state.max_request_bytes = config.max_request_bytes
 
-    async def _json(self, request: Request):
-        """The body as JSON, at most max_request_bytes even when sent without a Content-Length."""
+    async def _body(self, request: Request) -> bytes:
+        """The body, at most max_request_bytes even when sent without a Content-Length."""
         body = bytearray()
         async for part in request.stream():
             body += part
             if len(body) > self.config.max_request_bytes:
                 raise InvalidRequestError("body", f"exceeds the limit of {self.config.max_request_bytes} bytes",
                                           status=413)
-        return parse_body(bytes(body))
+        return bytes(body)
+
+    async def _json(self, request: Request):
+        return parse_body(await self._body(request))
 
     # -- the DAG -----------------------------------------------------------------------------------
     async def _chunks(self, job: GenerationJob) -> AsyncIterator[tuple[TextChunk, list[int]]]:
@@ -213,7 +216,8 @@ class Ingress:
 
     @api.get("/v2")
     async def server_metadata(self):
-        return {"name": "llm-serve", "version": "0.1.0", "extensions": ["generate", "generate_stream"]}
+        return {"name": "llm-serve", "version": "0.1.0",
+                "extensions": ["generate", "generate_stream", "binary_tensor_data"]}
 
     def _models(self) -> tuple[str, ...]:
         return (self.name, *triton.TEXT_MODELS, triton.IDS_MODEL)
@@ -269,16 +273,24 @@ class Ingress:
     @api.post("/v2/models/{model}/infer", openapi_extra=openapi.body(triton.InferRequest))
     @api.post("/v2/models/{model}/versions/{version}/infer", openapi_extra=openapi.body(triton.InferRequest))
     async def infer(self, model: str, request: Request, version: str = triton.MODEL_VERSION):
-        """KServe v2 inference with the ensemble's tensors (text_input, max_tokens, ... -> text_output)."""
+        """KServe v2 inference with the ensemble's tensors (text_input, max_tokens, ... -> text_output),
+        as JSON or with the binary tensor data extension (tritonclient's default)."""
         try:
-            body = await self._json(request)
+            body, binary = triton_binary.decode_request(await self._body(request),
+                                                        request.headers.get(triton_binary.HEADER))
             fields, request_id, wanted = triton.infer_to_generate_body(body)
             job, req = triton.parse_generate(model, fields, self.name, self.config.max_tokens_default)
             chunk, ids = await self._whole(job)
         except Exception as exc:  # noqa: BLE001
             return self._error(exc, openai_style=False)
         generated = triton.generate_response(model, req, chunk, job.prompt or "", ids, final=True)
-        return triton.infer_response(model, request_id, generated, wanted)
+        response = triton.infer_response(model, request_id, generated, wanted)
+        encoded = triton_binary.encode_response(response, binary)
+        if encoded is None:
+            return response
+        content, json_length = encoded
+        return Response(content, media_type="application/octet-stream",
+                        headers={triton_binary.HEADER: str(json_length)})
 
     # -- OpenAI ------------------------------------------------------------------------------------
     @api.get("/v1/models")

@@ -242,7 +242,7 @@ class InferOutput(BaseModel):
 
 
 class InferRequest(BaseModel):
-    """KServe v2 /infer, JSON tensors (the binary-data extension is not taken)."""
+    """KServe v2 /infer, JSON tensors (binary ones are decoded into these by triton_binary)."""
 
     model_config = ConfigDict(extra="forbid")
 

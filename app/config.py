@@ -147,6 +147,9 @@ class ServiceConfig(_Strict):
                                 "but health; the LLM_SERVE_API_KEY environment variable sets it too")
     max_request_bytes: int = Field(1 << 20, ge=1024, description="larger request bodies get 413")
     trust_remote_code: bool = False
+    tool_call_parser: Literal["auto", "hermes", "llama3_json"] = Field(
+        "auto", description="the format /v1/chat/completions finds tool calls in (app/protocol/tools.py); "
+                            "auto: read from the chat template")
     step_timeout_s: float = Field(60.0, gt=0, description="a replica whose engine step runs longer is unhealthy")
     cuda_graph_config: dict | None = Field(None, description="backend trtllm: passed to tensorrt_llm.LLM as is")
     speculative_config: dict | None = Field(None, description="backend trtllm: passed to tensorrt_llm.LLM as is")

@@ -21,10 +21,11 @@ class Tokenizer:
         """Stop/bad words as token-id sequences (the seeds' preprocessing does the same)."""
         return [ids for ids in (self.encode(w, add_special_tokens=False) for w in words if w) if ids]
 
-    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         if not self.hf.chat_template:
             raise ValueError("this model has no chat template; use /v1/completions")
-        out = self.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)
+        out = self.hf.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True,
+                                          return_dict=True)
         return list(out["input_ids"])
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:

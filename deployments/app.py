@@ -31,6 +31,7 @@ def build_app(args: dict) -> Application:
         if problem:
             raise ConfigError(f"{args.get('config', DEFAULT_CONFIG)}: {problem}")
     engine = EngineDeployment.options(**engine_options).bind(config)
-    tokenizer = TokenizerDeployment.options(**stages.tokenizer.deployment_options()).bind(config.model)
+    tokenizer = TokenizerDeployment.options(**stages.tokenizer.deployment_options()).bind(
+        config.model, config.tool_call_parser)
     detokenizer = DetokenizerDeployment.options(**stages.detokenizer.deployment_options()).bind(config, engine)
     return Ingress.options(**stages.ingress.deployment_options()).bind(config, tokenizer, detokenizer, engine)

@@ -122,6 +122,7 @@ class Ingress:
         self.adapters = AdapterPolicy(config.lora_roots, config.lora_adapters)
         self.metrics = IngressMetrics(config.name)
         self.inbound = Inbound(ray.util.get_node_ip_address(), merge_chunks)  # from the Detokenizers
+        self.tool_parser: str | None = None  # the Tokenizer's (it reads the chat template), asked once
         api.state.api_key = api_key(config.api_key)
         api.state.max_request_bytes = config.max_request_bytes
 
@@ -306,18 +307,22 @@ class Ingress:
             elif req.model != self.name:
                 names = ", ".join([self.name, *self.config.lora_adapters])
                 raise InvalidRequestError("model", f"unknown model '{req.model}'; this server has: {names}")
+            if chat and req.calls_tools() and self.tool_parser is None:
+                self.tool_parser = await self.tokenizer.tool_call_parser.remote()
+            calls = openai.tool_calls(req, self.tool_parser) if chat else None
         except Exception as exc:  # noqa: BLE001
             return self._error(exc, openai_style=True)
         echo = job.prompt if (not chat and req.echo and job.prompt) else ""
         if req.stream:
             return await self._stream(
-                job, lambda chunk, ids: openai.completion_response(job.request_id, self.name, chunk, chat, True),
+                job, lambda chunk, ids: openai.completion_response(job.request_id, self.name, chunk, chat, True,
+                                                                   calls=calls),
                 openai_style=True, done_marker=True)
         try:
             chunk, _ = await self._whole(job)
         except Exception as exc:  # noqa: BLE001
             return self._error(exc, openai_style=True)
-        return openai.completion_response(job.request_id, self.name, chunk, chat, False, echo)
+        return openai.completion_response(job.request_id, self.name, chunk, chat, False, echo, calls)
 
     @api.post("/v1/completions", openapi_extra=openapi.body(openai.CompletionRequest))
     async def completions(self, request: Request):

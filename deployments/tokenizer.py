@@ -3,27 +3,36 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from jinja2 import TemplateError
 from ray import serve
 
 from app.engine.errors import InvalidRequestError
 from app.engine.model_loader import resolve_model_dir
+from app.protocol import tools
 from app.protocol.messages import GenerationJob, TokenizedJob
 from app.text import Tokenizer
 
 
 @serve.deployment(name="Tokenizer")
 class TokenizerDeployment:
-    def __init__(self, model: str):
+    def __init__(self, model: str, tool_call_parser: str = "auto"):
         self.tokenizer = Tokenizer(resolve_model_dir(model))
+        self.tool_parser = tools.pick_parser(tool_call_parser, self.tokenizer.hf.chat_template)
 
     def ready(self) -> bool:
         return True
 
+    def tool_call_parser(self) -> str:
+        """The format tool calls take in this model's output: the Ingress parses them."""
+        return self.tool_parser
+
     def tokenize(self, job: GenerationJob) -> TokenizedJob:
         if job.messages is not None:
+            messages, functions = tools.for_template(job.messages, job.tools, self.tokenizer.hf.chat_template,
+                                                     self.tool_parser)
             try:
-                ids = self.tokenizer.apply_chat_template(job.messages)
-            except ValueError as exc:
+                ids = self.tokenizer.apply_chat_template(messages, functions)
+            except (ValueError, TemplateError) as exc:  # a template's raise_exception() refuses the conversation
                 raise InvalidRequestError("messages", str(exc)) from None
         elif job.prompt_token_ids is not None:
             ids = job.prompt_token_ids

@@ -27,6 +27,7 @@ class GenerationJob:
     prompt: str | None = None
     prompt_token_ids: list[int] | None = None
     messages: list[dict] | None = None
+    tools: list[dict] | None = None  # functions for the chat template, {"type": "function", "function": {...}}
     stop: list[str] = field(default_factory=list)  # stop strings, matched on text
     bad_words: list[str] = field(default_factory=list)
     adapter: AdapterRef | None = None

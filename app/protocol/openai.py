@@ -11,12 +11,14 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from app.engine.errors import InvalidRequestError
 from app.engine.guided import Guide
 from app.engine.sampling_params import SamplingParams
+from app.protocol import tools
+from app.protocol.body import parse_body
 from app.protocol.messages import GenerationJob, TextChunk
 
 
-# OpenAI fields this server does not implement, with the one value of each that asks for nothing
-# (clients often send it): accepted. Any other value, and any field not named anywhere, is refused
-# by name: a client asking for JSON must not get a 200 with free text.
+# OpenAI fields a route does not implement (tools on /v1/completions), with the one value of each
+# that asks for nothing (clients often send it): accepted. Any other value, and any field not named
+# anywhere, is refused by name: a client asking for JSON must not get a 200 with free text.
 NEUTRAL = {"logit_bias": {}, "tools": [], "tool_choice": "none",
            "best_of": 1, "top_logprobs": 0, "suffix": ""}
 
@@ -81,10 +83,27 @@ class TextPart(BaseModel):
     text: str
 
 
+class CalledFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+    arguments: str  # JSON text of an object
+
+
+class ToolCall(BaseModel):
+    """A call of an earlier assistant turn, as the client sends it back."""
+    model_config = ConfigDict(extra="forbid")
+    id: str
+    type: Literal["function"]
+    function: CalledFunction
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
     role: Literal["system", "user", "assistant", "tool"]
-    content: str | list[TextPart]  # text parts are joined; other parts (images, audio) are refused
+    # Text parts are joined; other parts (images, audio) are refused. Null only beside tool_calls.
+    content: str | list[TextPart] | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
 
     @field_validator("content", mode="before")
     @classmethod
@@ -96,12 +115,75 @@ class ChatMessage(BaseModel):
         return content
 
     def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
+        return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content or ())
+
+
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict = Field(default_factory=lambda: {"type": "object", "properties": {}})
+    strict: bool | None = None  # arguments match `parameters` under tool_choice required or named, strict or not
+
+    @field_validator("parameters")
+    @classmethod
+    def _object(cls, schema: dict) -> dict:
+        if schema.get("type", "object") != "object":
+            raise ValueError("must be a JSON schema of type object (a function's arguments are an object)")
+        return {"type": "object", **schema}  # {} (anything) would let a forced call's arguments be any JSON
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool = False
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # default: auto with tools
+    parallel_tool_calls: bool = True  # false: at most one call (the grammar's, or the first one parsed)
+
+    @field_validator("tool_choice", mode="wrap")
+    @classmethod
+    def _one_message(cls, value, handler):
+        try:  # one sentence instead of an error per member of the union
+            return handler(value)
+        except ValidationError:
+            raise ValueError('must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}') \
+                from None
+
+    @property
+    def forced_function(self) -> str | None:
+        return self.tool_choice.function.name if isinstance(self.tool_choice, NamedToolChoice) else None
+
+    @property
+    def forces_call(self) -> bool:
+        return self.tool_choice == "required" or self.forced_function is not None
+
+    def calls_tools(self) -> bool:
+        return bool(self.tools) and self.tool_choice != "none"
+
+    def tool_guide(self) -> Guide | None:
+        """Under tool_choice required or a named function: the output's JSON (tools.Forced)."""
+        if not (self.calls_tools() and self.forces_call):
+            return None
+        functions = {t.function.name: t.function.parameters for t in self.tools}
+        return Guide("json_schema", json.dumps(tools.Forced.schema(functions, self.forced_function,
+                                                                   self.parallel_tool_calls)), "tool_choice")
 
 
 def _validate(cls, body: Any):
@@ -138,6 +220,8 @@ def _guide(req: _Request) -> Guide | None:
         guides.append(Guide("regex", "|".join(_regex_literal(c) for c in req.guided_choice), "guided_choice"))
     if req.guided_grammar is not None:
         guides.append(Guide("ebnf", req.guided_grammar, "guided_grammar"))
+    if isinstance(req, ChatRequest) and (tool_guide := req.tool_guide()) is not None:
+        guides.append(tool_guide)
     if len(guides) > 1:
         raise InvalidRequestError(guides[1].field, f"only one guide per request ({guides[0].field} is set too)")
     return guides[0] if guides else None
@@ -171,8 +255,60 @@ def parse_completion(body: Any, max_tokens_default: int) -> tuple[GenerationJob,
 
 def parse_chat(body: Any, max_tokens_default: int) -> tuple[GenerationJob, ChatRequest]:
     req = _validate(ChatRequest, body)
-    messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-    return _job(req, max_tokens_default, req.logprobs, messages=messages), req
+    names = [t.function.name for t in req.tools or ()]
+    if len(set(names)) < len(names):
+        raise InvalidRequestError("tools", "names a function twice")
+    if req.forces_call:
+        if not names:
+            raise InvalidRequestError("tool_choice", "asks for a tool call but the request has no tools")
+        if req.forced_function not in (None, *names):
+            raise InvalidRequestError("tool_choice.function.name", f"is not one of the tools ({', '.join(names)})")
+    # tool_choice none: the tools stay out of the prompt too, so that the model is not asked to
+    # write calls that would come back as raw text.
+    functions = [t.model_dump(exclude_none=True, exclude={"function": {"strict"}}) for t in req.tools] \
+        if req.calls_tools() else None
+    job = _job(req, max_tokens_default, req.logprobs, messages=_template_messages(req.messages), tools=functions)
+    return job, req
+
+
+def _template_messages(messages: list[ChatMessage]) -> list[dict]:
+    """Messages as chat templates take them (transformers' convention): a call's arguments as an
+    object, a tool result with the name of the function it answers (Hermes templates print it)."""
+    out, called = [], {}
+    for i, m in enumerate(messages):
+        where = f"messages.{i}"
+        if m.content is None and not m.tool_calls:
+            raise InvalidRequestError(f"{where}.content", "is required (null only beside tool_calls)")
+        if m.tool_calls and m.role != "assistant":
+            raise InvalidRequestError(f"{where}.tool_calls", "belong to assistant messages")
+        if (m.tool_call_id is None) == (m.role == "tool"):
+            raise InvalidRequestError(f"{where}.tool_call_id", "is required on tool messages, and only there")
+        message = {"role": m.role, "content": m.text()}  # "" for null: templates concatenate content
+        for j, call in enumerate(m.tool_calls or ()):
+            field = f"{where}.tool_calls.{j}.function.arguments"
+            try:
+                arguments = parse_body(call.function.arguments.encode())
+            except InvalidRequestError as exc:
+                raise InvalidRequestError(field, exc.message) from None
+            if not isinstance(arguments, dict):
+                raise InvalidRequestError(field, "must be a JSON object")
+            message.setdefault("tool_calls", []).append(
+                {"id": call.id, "type": "function", "function": {"name": call.function.name, "arguments": arguments}})
+            called[call.id] = call.function.name
+        if m.role == "tool":
+            if m.tool_call_id not in called:
+                raise InvalidRequestError(f"{where}.tool_call_id", "answers no tool call of an earlier message")
+            message.update(tool_call_id=m.tool_call_id, name=called[m.tool_call_id])
+        out.append(message)
+    return out
+
+
+def tool_calls(req: ChatRequest, parser: str) -> tools.ToolCallStream | None:
+    """What finds the calls in a response's text: the forced JSON, or the model's format (`parser`)."""
+    if not req.calls_tools():
+        return None
+    fmt = tools.Forced(req.forced_function) if req.forces_call else tools.PARSERS[parser]
+    return tools.ToolCallStream(fmt, [t.function.name for t in req.tools], req.parallel_tool_calls)
 
 
 def models_list(names: list[str]) -> dict:
@@ -186,14 +322,21 @@ def _usage(chunk: TextChunk, completion_tokens: int) -> dict:
 
 
 def completion_response(job_id: str, model: str, chunk: TextChunk, chat: bool, stream: bool,
-                        echo_text: str = "") -> dict:
-    """A whole response (stream=False) or one SSE chunk (stream=True) in OpenAI's shape."""
+                        echo_text: str = "", calls: tools.ToolCallStream | None = None) -> dict:
+    """A whole response (stream=False) or one SSE chunk (stream=True) in OpenAI's shape; `calls`
+    (one per response) turns a chat output's tool calls into message.tool_calls."""
     choices = []
     for o in chunk.outputs:
         finish = o.finish_reason if o.finish_reason != "abort" else None
         if chat:
-            body = {"delta" if stream else "message": ({"role": "assistant", "content": o.text})}
-            choice = {"index": o.index, **body, "finish_reason": finish}
+            message = {"role": "assistant", "content": o.text}
+            if calls is not None:
+                message["content"], found = calls.push(o.index, o.text, chunk.finished or o.finish_reason is not None)
+                if found:
+                    message["content"] = message["content"].strip() or None
+                    message["tool_calls"] = [{"index": k, **c} for k, c in enumerate(found)] if stream else found
+                    finish = "tool_calls"
+            choice = {"index": o.index, "delta" if stream else "message": message, "finish_reason": finish}
             if o.logprobs is not None:
                 choice["logprobs"] = {"content": [{"token": str(t), "logprob": lp, "bytes": None, "top_logprobs": []}
                                                   for t, lp in zip(o.token_ids, o.logprobs)]}

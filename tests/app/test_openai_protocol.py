@@ -1,10 +1,16 @@
 """/v1 bodies: fields this server does not implement are refused by name, never silently ignored;
 their neutral values (what clients send by default) pass; chat content may be text parts; guides
-(response_format, vLLM's guided_*) become one engine Guide."""
+(response_format, vLLM's guided_*) become one engine Guide; tool calls are parsed from the output
+(Hermes and Llama 3 JSON formats, or the JSON a forced tool_choice guides to), malformed ones stay text."""
+import json
+
 import pytest
 
+from app.config import ServiceConfig
 from app.engine import InvalidRequestError
-from app.protocol.openai import parse_chat, parse_completion
+from app.protocol import tools
+from app.protocol.messages import TextChunk, TextOutput
+from app.protocol.openai import completion_response, parse_chat, parse_completion, tool_calls
 
 BASE = {"model": "m", "prompt": "Hi"}
 
@@ -67,3 +73,167 @@ def test_two_guides_or_a_schema_type_without_its_schema_are_refused():
     with pytest.raises(InvalidRequestError) as err:
         parse_completion({**BASE, "response_format": {"type": "json_schema"}}, 16)
     assert err.value.field == "response_format.json_schema"
+
+
+# -- tool calls (app/protocol/tools.py) -----------------------------------------------------------
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+TIME = {"type": "function", "function": {"name": "get_time"}}
+NAMES = ["get_weather", "get_time"]
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "Weather in Paris?"}], "tools": [WEATHER, TIME]}
+
+
+@pytest.mark.parametrize("parser, text, content, calls", [
+    ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>', "",
+     [("get_weather", {"city": "Paris"})]),
+    ("hermes", 'Let me look.\n<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>\n'
+               '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>', "Let me look.\n\n",
+     [("get_weather", {"city": "Oslo"}), ("get_time", {})]),
+    ("hermes", '<tool_call>{"name": "get_time"}', "", [("get_time", {})]),  # cut before its end tag
+    ("llama3_json", ' {"name": "get_weather", "parameters": {"city": "Rome"}}', "",
+     [("get_weather", {"city": "Rome"})]),
+    ("llama3_json", '<|python_tag|>{"name": "get_time", "parameters": {}}; {"name": "get_weather", "arguments": '
+                    '{"city": "a;b"}}', "", [("get_time", {}), ("get_weather", {"city": "a;b"})]),
+])
+def test_calls_are_parsed_from_either_format(parser, text, content, calls):
+    found = tools.PARSERS[parser].parse(text, NAMES)
+    assert found == (content, [{"name": n, "arguments": a} for n, a in calls])
+    assert tools.PARSERS[parser].parse(tools.PARSERS[parser].render(found[1]), NAMES)[1] == found[1]
+
+
+@pytest.mark.parametrize("parser, text", [
+    ("hermes", "Just text, no call."),
+    ("hermes", '<tool_call>{"name": "get_weather", "arguments": {"city": </tool_call>'),  # broken JSON
+    ("hermes", '<tool_call>{"name": "launch_rockets", "arguments": {}}</tool_call>'),  # not one of the tools
+    ("hermes", '<tool_call>{"name": "get_time", "arguments": "now"}</tool_call>'),  # arguments not an object
+    ("llama3_json", '{"name": "get_time", "parameters": {}} and some words'),
+    ("llama3_json", '{"city": "Paris"}'),
+    ("llama3_json", "[" * 5000),
+])
+def test_malformed_calls_are_not_parsed(parser, text):
+    assert tools.PARSERS[parser].parse(text, NAMES) is None
+
+
+def _chunks(req_body: dict, deltas: list[str], parser="hermes", stream=True) -> list[dict]:
+    _, req = parse_chat(req_body, 16)
+    calls = tool_calls(req, parser)
+    return [completion_response("id", "m", TextChunk([TextOutput(0, d, [1], None, 0.0, "stop" if last else None)],
+                                                     last, 3), True, stream, calls=calls)["choices"][0]
+            for last, d in ((i == len(deltas) - 1, d) for i, d in enumerate(deltas))]
+
+
+def test_streamed_text_passes_until_a_call_starts_then_calls_come_at_the_end():
+    choices = _chunks(CHAT, ["Let me ", "check <tool", '_call>{"name": "get_weather", ',
+                             '"arguments": {"city": "Oslo"}}', "</tool_call>"])
+    assert [c["delta"]["content"] for c in choices[:-1]] == ["Let me ", "check ", "", ""]
+    last = choices[-1]
+    assert last["finish_reason"] == "tool_calls" and last["delta"]["content"] is None
+    (call,) = last["delta"]["tool_calls"]
+    assert call["index"] == 0 and call["id"].startswith("call_") and call["type"] == "function"
+    assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Oslo"}'}
+    # A partial marker that turns out to be text is released; output without calls ends as it began.
+    choices = _chunks(CHAT, ["a <tool", "box> b"])
+    assert "".join(c["delta"]["content"] for c in choices) == "a <toolbox> b" and choices[-1]["finish_reason"] == "stop"
+    # llama3_json: an answer that starts as JSON is held; if it is no call, it comes out as text at the end.
+    choices = _chunks(CHAT, ['{"answer": ', "42}"], parser="llama3_json")
+    assert [c["delta"]["content"] for c in choices] == ["", '{"answer": 42}']
+
+
+def test_whole_response_carries_message_tool_calls_and_parallel_false_keeps_the_first():
+    two = '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>' * 2
+    (choice,) = _chunks(CHAT, [two], stream=False)
+    assert len(choice["message"]["tool_calls"]) == 2 and "index" not in choice["message"]["tool_calls"][0]
+    assert choice["message"]["tool_calls"][0]["id"] != choice["message"]["tool_calls"][1]["id"]
+    (choice,) = _chunks({**CHAT, "parallel_tool_calls": False}, [two], stream=False)
+    assert len(choice["message"]["tool_calls"]) == 1
+    # tool_choice none: nothing is parsed (and the tools are not rendered).
+    job, _ = parse_chat({**CHAT, "tool_choice": "none"}, 16)
+    assert job.tools is None and job.params.guide is None
+    (choice,) = _chunks({**CHAT, "tool_choice": "none"}, [two], stream=False)
+    assert choice["message"]["content"] == two and "tool_calls" not in choice["message"]
+
+
+def test_required_and_named_choices_become_a_json_guide_whose_output_parses():
+    job, _ = parse_chat({**CHAT, "tool_choice": "required", "parallel_tool_calls": False}, 16)
+    schema = json.loads(job.params.guide.spec)
+    assert job.params.guide.kind == "json_schema" and job.params.guide.field == "tool_choice"
+    assert schema["minItems"] == schema["maxItems"] == 1
+    assert [c["properties"]["name"] for c in schema["items"]["anyOf"]] == [{"const": n} for n in NAMES]
+    assert schema["items"]["anyOf"][1]["properties"]["arguments"] == {"type": "object", "properties": {}}
+    (choice,) = _chunks({**CHAT, "tool_choice": "required"}, ['[{"name": "get_time", "arguments": {}}]'], stream=False)
+    assert choice["message"]["tool_calls"][0]["function"]["name"] == "get_time"
+    named = {**CHAT, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
+    job, _ = parse_chat(named, 16)
+    assert json.loads(job.params.guide.spec) == WEATHER["function"]["parameters"]
+    (choice,) = _chunks(named, ['{"city": "Lima"}'], stream=False)
+    assert choice["message"]["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": '{"city": "Lima"}'}
+    (choice,) = _chunks(named, ['{"city": "Li'], stream=False)  # cut by max_tokens: text, as it is
+    assert choice["message"]["content"] == '{"city": "Li' and "tool_calls" not in choice["message"]
+
+
+def test_history_with_calls_and_results_goes_to_the_template_in_transformers_form():
+    job, _ = parse_chat({**CHAT, "messages": [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]}, 16)
+    assert job.messages[1:] == [
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+        {"role": "tool", "content": "sunny", "tool_call_id": "c1", "name": "get_weather"}]
+    assert job.tools == [WEATHER, {"type": "function", "function": {"name": "get_time", "parameters": {
+        "type": "object", "properties": {}}}}]
+
+
+CALL = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+
+
+@pytest.mark.parametrize("change, field", [
+    ({"tools": [{"type": "retrieval", "function": WEATHER["function"]}]}, "tools.0.type"),
+    ({"tools": [WEATHER, WEATHER]}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "bad name"}}]}, "tools.0.function.name"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]},
+     "tools.0.function.parameters"),
+    ({"tool_choice": "sometimes"}, "tool_choice"),
+    ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice.function.name"),
+    ({"tools": None, "tool_choice": "required"}, "tool_choice"),
+    ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+    ({"functions": [WEATHER["function"]]}, "functions"),
+    ({"messages": [{"role": "user", "content": None}]}, "messages.0.content"),
+    ({"messages": [{"role": "user", "content": "x", "tool_calls": [CALL]}]}, "messages.0.tool_calls"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, "messages.0.tool_call_id"),
+    ({"messages": [{"role": "tool", "content": "x", "tool_call_id": "c9"}]}, "messages.0.tool_call_id"),
+    ({"messages": [{"role": "assistant", "tool_calls": [{**CALL, "function": {"name": "f", "arguments": "[1]"}}]}]},
+     "messages.0.tool_calls.0.function.arguments"),
+    ({"messages": [{"role": "assistant", "tool_calls": [{**CALL, "function": {"name": "f", "arguments": "{"}}]}]},
+     "messages.0.tool_calls.0.function.arguments"),
+])
+def test_tool_requests_are_refused_by_field(change, field):
+    with pytest.raises(InvalidRequestError) as err:
+        parse_chat({**CHAT, **change}, 16)
+    assert err.value.field == field, err.value.message
+
+
+def test_parser_is_picked_from_the_template_and_its_choices_are_the_configs():
+    assert tools.pick_parser("auto", "{{ '<tool_call>' }} \"parameters\"") == "hermes"
+    assert tools.pick_parser("auto", "{{- '\"parameters\": ' }}") == "llama3_json"
+    assert tools.pick_parser("auto", "<|python_tag|>") == "llama3_json"
+    assert tools.pick_parser("auto", None) == tools.pick_parser("auto", "{{ messages }}") == "hermes"
+    assert tools.pick_parser("llama3_json", "<tool_call>") == "llama3_json"
+    choices = ServiceConfig.model_fields["tool_call_parser"].annotation.__args__
+    assert set(choices) == {"auto", *tools.PARSERS} and ServiceConfig().tool_call_parser == "auto"
+
+
+def test_a_template_without_tools_gets_them_as_text_and_a_tool_aware_one_as_they_are():
+    job, _ = parse_chat({**CHAT, "messages": [
+        {"role": "system", "content": "Be brief."},
+        {"role": "assistant", "content": "On it.", "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}]}]}, 16)
+    messages, functions = tools.for_template(job.messages, job.tools, "{{ messages }}", "hermes")
+    assert functions is None and messages[0]["content"].startswith("Be brief.\n\nYou can call these functions")
+    assert '"name": "get_weather"' in messages[0]["content"] and "<tool_call>" in messages[0]["content"]
+    assert messages[1] == {"role": "assistant", "content": 'On it.\n<tool_call>\n{"name": "get_time", "arguments": {}}'
+                                                          '\n</tool_call>'}
+    native = "{% for t in tools %}{% endfor %}{{ message.tool_calls }}"
+    assert tools.for_template(job.messages, job.tools, native, "hermes") == (job.messages, job.tools)

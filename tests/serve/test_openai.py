@@ -47,12 +47,3 @@ def test_completion_stop_n_seed_logprobs(client):
 def test_bad_request_raises_client_error(client):
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model="smollm2-135m", prompt="x", max_tokens=10**6)
-
-
-def test_tool_calling_is_refused_not_ignored(client):
-    """A client asking for tool calls must not get a 200 with free text (response_format is
-    served: tests/serve/test_guided_http.py)."""
-    with pytest.raises(openai.BadRequestError) as err:
-        client.chat.completions.create(model="smollm2-135m", max_tokens=8, messages=[{"role": "user", "content": "Hi"}],
-                                       tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}])
-    assert err.value.body["param"] == "tools"

@@ -34,6 +34,7 @@ class Continuation:
 class BeamGroup:
     def __init__(self, root: Sequence, width: int):
         self.width = width
+        self.seqs = [root]  # every beam ever created (the scheduler adds its forks)
         self.running = [root]
         self.scores = [0.0]
         self.finished: list[Hypothesis] = []

@@ -58,16 +58,16 @@ class LLMEngine:
         self.runner = ModelRunner(config, self.model_dir, self.max_seq_len, launcher)
         kv = config.kv_cache_config
         self.block_manager = BlockManager(self.runner.num_blocks, kv.tokens_per_block, kv.enable_block_reuse)
+        self._seq_ids = itertools.count()
         self.scheduler = Scheduler(
             SchedulerLimits(config.max_batch_size, config.max_num_tokens, config.enable_chunked_prefill,
                             config.scheduler_policy, config.batching_type, config.max_loras),
-            self.block_manager)
+            self.block_manager, self._seq_ids)
         self.limits = request_limits(config, model_cfg.vocab_size, self.max_seq_len,
                                      max_cache_tokens=self.runner.num_blocks * kv.tokens_per_block)
         self.eos_ids = frozenset(model_cfg.eos_token_ids)
         self.grammars = GrammarCompiler(self.model_dir, model_cfg.vocab_size, tuple(sorted(self.eos_ids)))
         self.requests: dict[str, Request] = {}
-        self._seq_ids = itertools.count()
         self.num_steps = 0
         self._last_context_tokens = 0
         self._last_generation_requests = 0
@@ -98,9 +98,9 @@ class LLMEngine:
                          self._generator(params, i), adapter_id, arrival_ns) for i in range(num_seqs)]
         for seq, matcher in zip(seqs, matchers or ()):
             seq.grammar = matcher
-        request = Request(request_id, params, seqs, arrival_ns=arrival_ns)
-        if params.beam_width > 1:
-            request.beam = BeamGroup(seqs[0], params.beam_width)
+        beam = BeamGroup(seqs[0], params.beam_width) if params.beam_width > 1 else None
+        # A beam search's sequences are its group's: the list grows as beams fork.
+        request = Request(request_id, params, beam.seqs if beam else seqs, beam, arrival_ns)
         self.requests[request_id] = request
         for seq in seqs:
             self.scheduler.add(seq)
@@ -178,24 +178,14 @@ class LLMEngine:
                 return []
             self._begin(plan)
             result = self.runner.execute(plan)
-            self._computed(plan)
-            for row, seq in enumerate(result.seqs):
-                if seq.beam_group is None:  # beams advance from their candidates in _finish_rows
-                    seq.append_token(result.sampled.token_ids[row], result.sampled.logprobs[row])
-            return self._finish_rows(plan, result.seqs, result.sampled)
+            return self._outputs(self.scheduler.update(plan, result.seqs, result.sampled))
         launched = None
         if not plan.is_empty:
             self._begin(plan)
             launched = self.runner.launch(plan, self._in_flight)
-            self._computed(plan)
         outputs = self._finish(self._take_in_flight()) if self._in_flight is not None else []
-        if launched is not None:
-            for row, seq in enumerate(launched.seqs):
-                if seq.finish_reason is not None:  # it ended on the token read back just now
-                    continue
-                seq.append_pending(row)
-                if seq.num_output_tokens >= seq.params.max_tokens:
-                    self.scheduler.remove(seq)  # its last token is in flight: nothing more to compute
+        if launched is not None:  # after the read back: a sequence that ended on it takes no placeholder
+            self.scheduler.update(plan, launched.seqs, None)
             self._in_flight = launched
         return outputs
 
@@ -214,71 +204,20 @@ class LLMEngine:
         self._last_generation_requests = sum(1 for s in plan.scheduled if s.num_tokens == 1)
         self._last_context_requests = len(plan.scheduled) - self._last_generation_requests
 
-    @staticmethod
-    def _computed(plan) -> None:
-        """Once the step is queued (its inputs are packed from the old counts), its tokens count as computed."""
-        for item in plan.scheduled:
-            item.seq.num_computed_tokens += item.num_tokens
-
     def _finish(self, launched: LaunchedStep) -> list[RequestOutput]:
-        """Read an overlapped step back: its placeholders become tokens, then as a plain step. Rows
-        whose sequence holds no placeholder of this step (ended or aborted since) are dropped."""
-        sampled = launched.sample.result()
-        live = [seq if seq.pending_row == row else None for row, seq in enumerate(launched.seqs)]
-        for row, seq in enumerate(live):
-            if seq is not None:
-                seq.resolve_pending(sampled.token_ids[row], sampled.logprobs[row])
-        return self._finish_rows(launched.plan, live, sampled)
+        """Read an overlapped step back."""
+        return self._outputs(self.scheduler.update(launched.plan, launched.seqs, launched.sample.result()))
 
-    def _finish_rows(self, plan, seqs: list[Sequence | None], sampled) -> list[RequestOutput]:
-        """With the sampled tokens in place: hash the blocks the step filled, advance beams, check
-        stops and build the outputs. A None in `seqs` is a row to drop."""
-        for item in plan.scheduled:
-            if not item.seq.is_finished:  # an ended sequence has given its blocks back
-                self.block_manager.register_full_blocks(item.seq)
-        touched: dict[str, Request] = {}
-        beam_candidates: dict[int, tuple[BeamGroup, dict]] = {}
-        for row, seq in enumerate(seqs):
-            if seq is None:
-                continue
-            touched[seq.request_id] = self.requests[seq.request_id]
-            if seq.beam_group is not None:
-                group_rows = beam_candidates.setdefault(id(seq.beam_group), (seq.beam_group, {}))[1]
-                group_rows[seq] = sampled.beam_candidates[row]
-                continue
-            # (A sequence whose last token was queued at max_tokens has left the scheduler already.)
-            if seq.check_stop() is not None and not seq.is_finished:
-                self.scheduler.remove(seq)
-        for group, candidates in beam_candidates.values():
-            self._advance_beams(self.requests[group.running[0].request_id], group, candidates)
+    def _outputs(self, seqs: list[Sequence]) -> list[RequestOutput]:
+        """The outputs of the requests whose sequences took a token; a finished request goes."""
         outputs = []
-        for request in touched.values():
+        for request in {seq.request_id: self.requests[seq.request_id] for seq in seqs}.values():
             output = self._output(request)
             if output is not None:
                 outputs.append(output)
             if request.finished:
                 del self.requests[request.request_id]
         return outputs
-
-    def _advance_beams(self, request: Request, group: BeamGroup, candidates: dict) -> None:
-        chosen = group.select(candidates)
-        parents_seen, pairs = set(), []
-        for c in chosen:  # fork before any token is appended: children copy the parent as it was
-            if c.parent.seq_id in parents_seen:
-                child = c.parent.fork(next(self._seq_ids))
-                self.scheduler.add_fork(c.parent, child)
-                request.seqs.append(child)
-                pairs.append((child, c))
-            else:
-                parents_seen.add(c.parent.seq_id)
-                pairs.append((c.parent, c))
-        for seq in group.running:
-            if seq.seq_id not in parents_seen:
-                self.scheduler.remove(seq)
-        for seq, c in pairs:
-            seq.append_token(c.token_id, c.logprob)
-        group.running = [seq for seq, _ in pairs]
-        group.scores = [c.score for c in chosen]
 
     # -- outputs -----------------------------------------------------------------------------------
     def _output(self, request: Request) -> RequestOutput | None:
@@ -307,9 +246,6 @@ class LLMEngine:
         if not request.finished:
             return None
         group = request.beam
-        for seq in list(group.running):
-            if not seq.is_finished:
-                self.scheduler.remove(seq)
         completions = [CompletionOutput(
             index=i, token_ids=h.token_ids, logprobs=h.logprobs if request.params.logprobs else None,
             cumulative_logprob=sum(h.logprobs), finish_reason=h.finish_reason.value)

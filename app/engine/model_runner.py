@@ -133,7 +133,7 @@ class ModelRunner:
         lora_rows: dict[str, list[int]] = {}
         chunks = []
         for item in decodes + prefills:
-            seq, start = item.seq, item.seq.num_computed_tokens
+            seq, start = item.seq, item.start
             end = start + item.num_tokens
             if seq.adapter_id is not None:
                 lora_rows.setdefault(seq.adapter_id, []).extend(range(len(tokens), len(tokens) + item.num_tokens))
@@ -152,7 +152,7 @@ class ModelRunner:
             width = max(len(s.seq.block_table) for s in decodes)
             decode_tables = torch.tensor([s.seq.block_table + [0] * (width - len(s.seq.block_table)) for s in decodes],
                                          dtype=torch.int32)
-            decode_lens = torch.tensor([s.seq.num_computed_tokens + 1 for s in decodes], dtype=torch.int32)
+            decode_lens = torch.tensor([s.start + 1 for s in decodes], dtype=torch.int32)
         inputs = StepInputs(torch.tensor(tokens), torch.tensor(positions), torch.tensor(slots), len(decodes),
                             decode_tables, decode_lens, chunks, torch.tensor(logits_indices, dtype=torch.long),
                             lora_rows, torch.tensor(pending, dtype=torch.long).T if pending else None)

@@ -5,26 +5,35 @@ Plain Python over a BlockManager; no model, no tensors. Each step runs three pha
   2. waiting sequences (new or preempted), while the batch, the token budget and the policy allow;
   3. under MAX_UTILIZATION, preemption (by recompute) frees blocks for phase 1 when they run out.
 STATIC batching (Triton's V1) admits a new batch only once the previous one has finished.
+
+The scheduler owns the sequences' progress: a plan counts its tokens as computed when it is made,
+and update() takes what the step sampled (tokens, placeholders while overlapped, beam candidates),
+hashes the blocks it filled and lets finished sequences go with their blocks.
 """
 from __future__ import annotations
 
+import itertools
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from app.engine.beam_search import BeamGroup
 from app.engine.block_manager import BlockManager
 from app.engine.config import BatchingType, SchedulerPolicy
+from app.engine.sampler import SamplerOutput
 from app.engine.sequence import Sequence, SequenceStatus
 
 
 @dataclass
 class ScheduledSeq:
     seq: Sequence
-    num_tokens: int  # tokens computed this step, from seq.num_computed_tokens on
+    num_tokens: int  # tokens computed this step
+    start: int  # the first of them (the plan has counted them in seq.num_computed_tokens already)
 
     @property
     def samples(self) -> bool:
         """Whether this step reaches the end of the known tokens, so a new token is sampled."""
-        return self.seq.num_computed_tokens + self.num_tokens == self.seq.num_tokens
+        return self.start + self.num_tokens == self.seq.num_tokens
 
 
 @dataclass
@@ -53,9 +62,11 @@ class SchedulerLimits:
 
 
 class Scheduler:
-    def __init__(self, limits: SchedulerLimits, block_manager: BlockManager):
+    def __init__(self, limits: SchedulerLimits, block_manager: BlockManager, seq_ids: Iterator[int] | None = None):
+        """`seq_ids` numbers beam-search forks (the engine shares the counter that numbers its sequences)."""
         self.limits = limits
         self.blocks = block_manager
+        self.seq_ids = seq_ids or itertools.count()
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.pending_copies: list[tuple[int, int]] = []
@@ -64,13 +75,6 @@ class Scheduler:
     # -- membership --------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
-
-    def add_fork(self, parent: Sequence, child: Sequence) -> None:
-        """A beam-search child joins right after its parent, sharing its blocks."""
-        copy = self.blocks.fork(parent, child)
-        if copy:
-            self.pending_copies.append(copy)
-        self.running.insert(self.running.index(parent) + 1, child)
 
     def remove(self, seq: Sequence) -> None:
         """Finished or aborted: leave the queues and give the blocks back now."""
@@ -91,7 +95,69 @@ class Scheduler:
         budget = self._schedule_running(out, self.limits.max_num_tokens)
         if self.limits.batching is BatchingType.INFLIGHT or not self.running:
             self._schedule_waiting(out, budget)
+        # Counted now, not when the step is read back: an overlapped step is read back only after
+        # the next one is planned, and that plan must start where this one ends.
+        for item in out.scheduled:
+            item.seq.num_computed_tokens += item.num_tokens
         return out
+
+    # -- after the step ----------------------------------------------------------------------------
+    def update(self, plan: SchedulerOutput, rows: list[Sequence], sampled: SamplerOutput | None) -> list[Sequence]:
+        """Take what the step `plan` sampled, row by row (`rows`: the sequences the model runner
+        sampled for), and return the rows' sequences that took it.
+
+        An overlapped step comes here twice. Launched (`sampled` None), each row gets a placeholder,
+        which the next plan computes from the device; read back, placeholders become the tokens.
+        A row whose sequence ended or was aborted since the step was launched holds no placeholder
+        of it: its token is dropped."""
+        live = {row: seq for row, seq in enumerate(rows) if not seq.is_finished or seq.pending_row == row}
+        if sampled is not None:
+            for row, seq in live.items():
+                if seq.beam_group is None:  # beams take their tokens when they advance, below
+                    seq.resolve_pending(sampled.token_ids[row], sampled.logprobs[row])  # (or appends)
+        # Every computed token is known by now (placeholders lie past them). Hashed before any
+        # sequence below goes, so that a finished one leaves its full blocks cached.
+        for item in plan.scheduled:
+            if not item.seq.is_finished:  # an ended sequence has given its blocks back
+                self.blocks.register_full_blocks(item.seq)
+        beams: dict[BeamGroup, dict[Sequence, tuple[list[float], list[int]]]] = {}
+        for row, seq in live.items():
+            if sampled is None:
+                seq.append_pending(row)
+                if seq.num_output_tokens >= seq.params.max_tokens:
+                    self.remove(seq)  # its last token is in flight: nothing more to compute
+            elif seq.beam_group is not None:
+                beams.setdefault(seq.beam_group, {})[seq] = sampled.beam_candidates[row]
+            elif seq.check_stop() is not None and not seq.is_finished:
+                self.remove(seq)  # (one that reached max_tokens when launched has gone already)
+        for group, candidates in beams.items():
+            self._advance_beams(group, candidates)
+        return list(live.values())
+
+    def _advance_beams(self, group: BeamGroup, candidates: dict) -> None:
+        """The chosen continuations run on: a beam chosen twice forks (the child shares its
+        blocks), one not chosen leaves with its blocks; a search that is done leaves whole."""
+        chosen = group.select(candidates)
+        kept, beams = set(), []
+        for c in chosen:  # fork before any token is appended: children copy the parent as it was
+            if c.parent in kept:
+                child = c.parent.fork(next(self.seq_ids))
+                copy = self.blocks.fork(c.parent, child)
+                if copy:
+                    self.pending_copies.append(copy)
+                self.running.insert(self.running.index(c.parent) + 1, child)
+                group.seqs.append(child)
+                beams.append(child)
+            else:
+                kept.add(c.parent)
+                beams.append(c.parent)
+        for seq in group.running:
+            if seq not in kept:
+                self.remove(seq)
+        for seq, c in zip(beams, chosen):
+            seq.append_token(c.token_id, c.logprob)
+        group.running = beams
+        group.scores = [c.score for c in chosen]
 
     def _tokens_for(self, seq: Sequence, budget: int) -> int:
         remaining = seq.num_tokens - seq.num_computed_tokens
@@ -116,7 +182,7 @@ class Scheduler:
                 continue
             if not self._grow_or_preempt(seq, seq.num_computed_tokens + n, out):
                 continue
-            out.scheduled.append(ScheduledSeq(seq, n))
+            out.scheduled.append(ScheduledSeq(seq, n, seq.num_computed_tokens))
             budget -= n
         return budget
 
@@ -130,7 +196,7 @@ class Scheduler:
         for seq, n in plans:
             if not self._grow_or_preempt(seq, seq.num_computed_tokens + n, out):
                 return budget  # blocks already grown stay with their sequences for the next step
-        out.scheduled.extend(ScheduledSeq(seq, n) for seq, n in plans)
+        out.scheduled.extend(ScheduledSeq(seq, n, seq.num_computed_tokens) for seq, n in plans)
         return budget - total
 
     def _grow_or_preempt(self, seq: Sequence, num_tokens: int, out: SchedulerOutput) -> bool:
@@ -178,7 +244,7 @@ class Scheduler:
             assert self.blocks.ensure_slots(seq, seq.num_computed_tokens + n)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            out.scheduled.append(ScheduledSeq(seq, n))
+            out.scheduled.append(ScheduledSeq(seq, n, seq.num_computed_tokens))
             budget -= n
 
     def _adapter_fits(self, seq: Sequence) -> bool:

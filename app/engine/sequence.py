@@ -27,8 +27,9 @@ class FinishReason(str, enum.Enum):
 class Sequence:
     """Token ids (prompt then output), the KV blocks holding them, and per-sequence state.
 
-    num_computed_tokens counts tokens whose KV is in the cache; tokens past it are computed by the
-    next scheduled step. A sequence whose computed count reaches num_tokens samples a new token.
+    num_computed_tokens counts tokens whose KV is in the cache, or will be once the steps already
+    planned have run (the scheduler counts a plan's tokens when it makes it); tokens past it are
+    computed by the next plan. A step whose tokens reach num_tokens samples a new token.
     """
 
     def __init__(self, seq_id: int, request_id: str, index: int, prompt_token_ids: list[int],
@@ -62,7 +63,7 @@ class Sequence:
         self.new_blocks = 0
         self.num_preemptions = 0
         # Overlapped steps: the last token is still on the device, as row `pending_row` of the step
-        # in flight; its id here is a placeholder until the engine reads the step back.
+        # in flight; its id here is a placeholder until the step is read back (Scheduler.update).
         self.pending_row: int | None = None
 
     # -- sizes -------------------------------------------------------------------------------------

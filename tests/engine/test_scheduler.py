@@ -1,9 +1,12 @@
-"""Scheduler over a real BlockManager, no model: budgets, phases, policies."""
+"""Scheduler over a real BlockManager, no model: budgets, phases, policies, and what update()
+makes of a step's samples (stops, overlapped placeholders, beams)."""
+from app.engine.beam_search import BeamGroup
 from app.engine.block_manager import BlockManager
 from app.engine.config import BatchingType, SchedulerPolicy
+from app.engine.sampler import SamplerOutput
 from app.engine.sampling_params import SamplingParams
 from app.engine.scheduler import Scheduler, SchedulerLimits
-from app.engine.sequence import Sequence
+from app.engine.sequence import PENDING_TOKEN, FinishReason, Sequence
 
 
 def make_scheduler(num_blocks=64, block_size=4, max_batch_size=8, max_num_tokens=32, chunked=True,
@@ -18,17 +21,15 @@ def make_seq(seq_id, prompt_len, max_tokens=8):
                     frozenset(), None)
 
 
+def sampled(*token_ids, beams=None):
+    return SamplerOutput(list(token_ids), [0.0] * len(token_ids), beams or {})
+
+
 def run_step(sched):
-    """Apply a plan as the engine would, sampling token 7 wherever a step reaches the end."""
+    """One step with the model left out: token 7 wherever the step reaches the end of a sequence."""
     plan = sched.schedule()
-    for item in plan.scheduled:
-        samples = item.samples
-        item.seq.num_computed_tokens += item.num_tokens
-        sched.blocks.register_full_blocks(item.seq)
-        if samples:
-            item.seq.append_token(7, 0.0)
-            if item.seq.num_output_tokens >= item.seq.params.max_tokens:
-                sched.remove(item.seq)
+    rows = [item.seq for item in plan.scheduled if item.samples]
+    sched.update(plan, rows, sampled(*[7] * len(rows)))
     return plan
 
 
@@ -102,3 +103,51 @@ def test_static_batching_admits_a_new_batch_only_when_empty():
     for _ in range(3):
         assert [s.seq.seq_id for s in run_step(sched).scheduled] == [0]
     assert [s.seq.seq_id for s in run_step(sched).scheduled] == [1]
+
+
+def test_overlapped_steps_hold_placeholders_until_read_back():
+    """The engine's overlap: step k + 1 is planned and launched before step k is read back."""
+    sched = make_scheduler()
+    a = make_seq(0, 5, max_tokens=2)
+    b = Sequence(1, "r1", 0, list(range(100, 105)), SamplingParams(max_tokens=8, end_id=99), frozenset(), None)
+    sched.add(a)
+    sched.add(b)
+    first = sched.schedule()
+    sched.update(first, [a, b], None)  # launched
+    assert (a.pending_row, b.pending_row, a.token_ids[-1]) == (0, 1, PENDING_TOKEN)
+    second = sched.schedule()  # computes the placeholders (the runner reads them on the device)
+    assert [(s.seq.seq_id, s.start, s.num_tokens) for s in second.scheduled] == [(0, 5, 1), (1, 5, 1)]
+    assert sched.update(first, [a, b], sampled(7, 99)) == [a, b]  # read back: b ends on its end id
+    assert b.finish_reason is FinishReason.STOP and b.is_finished and not b.block_table
+    sched.update(second, [a, b], None)  # a's placeholder is its last token: it leaves while in flight
+    assert a.is_finished and not a.block_table and b.pending_row is None
+    assert sched.update(second, [a, b], sampled(8, 5)) == [a]  # b's row is dropped
+    assert a.output_token_ids == [7, 8] and a.finish_reason is FinishReason.LENGTH and b.output_token_ids == []
+    assert not sched.has_work() and sched.blocks.num_free_blocks == sched.blocks.num_blocks
+
+
+def test_beams_fork_share_blocks_and_leave_through_update():
+    sched = make_scheduler(block_size=4)
+    root = Sequence(0, "r0", 0, list(range(6)), SamplingParams(max_tokens=3, beam_width=2), frozenset(), None)
+    group = BeamGroup(root, 2)
+    sched.add(root)
+    plan = sched.schedule()
+    # Both continuations extend the root: a child forks, sharing the full block and copying the partial one.
+    sched.update(plan, [root], sampled(-1, beams={0: ([-0.1, -0.2, -3.0, -4.0], [10, 11, 12, 13])}))
+    child = group.running[1]
+    assert sched.running == group.running == [root, child] and group.seqs == [root, child]
+    assert child.block_table[0] == root.block_table[0]
+    assert sched.pending_copies == [(root.block_table[1], child.block_table[1])]
+    plan = sched.schedule()
+    assert plan.block_copies == [(root.block_table[1], child.block_table[1])]
+    # Both continuations extend the child: the root leaves with its blocks, the child forks again.
+    sched.update(plan, [root, child], sampled(-1, -1, beams={0: ([-5.0, -6.0, -7.0, -8.0], [20, 21, 22, 23]),
+                                                             1: ([-0.1, -0.2, -9.0, -9.0], [30, 31, 32, 33])}))
+    grandchild = group.running[1]
+    assert root.is_finished and not root.block_table and group.running == [child, grandchild]
+    assert [child.output_token_ids, grandchild.output_token_ids] == [[11, 30], [11, 31]]
+    plan = sched.schedule()
+    sched.update(plan, [child, grandchild], sampled(-1, -1, beams={0: ([-1.0, -2.0, -3.0, -4.0], [40, 41, 42, 43]),
+                                                                   1: ([-1.0, -2.0, -3.0, -4.0], [50, 51, 52, 53])}))
+    assert group.done and len(group.finished) == 2 and not sched.has_work()  # max_tokens: the search ends
+    assert sched.blocks.num_free_blocks == sched.blocks.num_blocks

@@ -14,12 +14,10 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from app.engine.errors import InvalidRequestError
+from app.engine.models.llama import LlamaForCausalLM
 
-# PEFT module name -> (our module within a decoder layer, shard of a merged linear)
-TARGETS = {"q_proj": ("self_attn.qkv_proj", 0), "k_proj": ("self_attn.qkv_proj", 1),
-           "v_proj": ("self_attn.qkv_proj", 2), "o_proj": ("self_attn.o_proj", 0),
-           "gate_proj": ("mlp.gate_up_proj", 0), "up_proj": ("mlp.gate_up_proj", 1),
-           "down_proj": ("mlp.down_proj", 0)}
+# PEFT module name -> (our module within a decoder layer, shard of a merged linear): the model's table
+TARGETS = LlamaForCausalLM.PROJECTIONS
 ROW_PARALLEL = ("self_attn.o_proj", "mlp.down_proj")  # the others are column-parallel
 
 
@@ -161,6 +159,7 @@ def _peft_tensors(check: AdapterCheck, file: Path, rank: int, shapes: dict[str, 
         for key in f.keys():
             layer, module, which = _peft_key(check, key, num_layers)
             where = f"lora_{which} of layers.{layer} {module}"
+            _check_reach(check, where, module, shapes)
             pair = pairs.setdefault((layer, module), {})
             if which in pair:
                 raise check.fail(f"{where} appears twice")
@@ -185,6 +184,12 @@ def _peft_key(check: AdapterCheck, key: str, num_layers: int | None) -> tuple[in
     if num_layers is not None and layer >= num_layers:
         raise check.fail(f"lora_{match[4]} of {match[3]} is for layer {layer} but the model has {num_layers} layers")
     return layer, match[3], match[4]
+
+
+def _check_reach(check: AdapterCheck, where: str, module: str, shapes: dict[str, tuple[int, int]] | None) -> None:
+    """A projection the model's adapters cannot reach (a mixture of experts has no dense MLP) is refused."""
+    if shapes is not None and module not in shapes:
+        raise check.fail(f"{where}: this model's adapters reach {', '.join(shapes)} only")
 
 
 def _check_header(check: AdapterCheck, where: str, view, which: str, rank: int,
@@ -244,6 +249,7 @@ def load_trtllm_adapter(name: str, path: Path, max_rank: int, shapes: dict[str, 
     for i, ((module_id, layer, rank), row) in enumerate(zip(config.tolist(), rows)):
         module = _trtllm_module(check, i, module_id, layer, rank, max_rank, num_layers)
         where = f"row {i} (layers.{layer} {module})"
+        _check_reach(check, where, module, shapes)
         fan_in, fan_out = shapes[module]
         need = rank * (fan_in + fan_out)
         if need > row.shape[0]:

@@ -64,18 +64,11 @@ class ModelShard:
         self.model = load_model(model_dir, self.dtype, device, max_seq_len, config.load_format, self.layout, tp)
         self.block_size = config.kv_cache_config.tokens_per_block
         cfg = self.model.config
-        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        shapes = {"q_proj": (cfg.hidden_size, q), "k_proj": (cfg.hidden_size, kv), "v_proj": (cfg.hidden_size, kv),
-                  "o_proj": (q, cfg.hidden_size)}
-        if not cfg.num_experts:  # adapters reach a dense MLP, never a mixture's experts
-            shapes.update(gate_proj=(cfg.hidden_size, cfg.intermediate_size),
-                          up_proj=(cfg.hidden_size, cfg.intermediate_size),
-                          down_proj=(cfg.intermediate_size, cfg.hidden_size))
         self.loras = LoRACache(config.max_loras, config.max_cpu_loras, config.max_lora_rank, device, self.dtype,
-                               shapes, cfg.num_layers, self.layout.tp_size, self.layout.tp_rank)
-        # Pipeline stages pass activations between graphs; only single-stage decode is captured. A
-        # mixture of experts picks its experts on the host from the router's output: no graph.
-        capture = device.type == "cuda" and config.cuda_graphs and self.layout.pp_size == 1 and not cfg.num_experts
+                               self.model.lora_shapes(cfg), cfg.num_layers, self.layout.tp_size, self.layout.tp_rank)
+        # Pipeline stages pass activations between graphs; only single-stage decode is captured.
+        capture = (device.type == "cuda" and config.cuda_graphs and self.layout.pp_size == 1
+                   and self.model.graph_capturable())
         graph_bytes = 0
         if capture and config.kv_cache_config.max_tokens is None:
             graph_bytes = self._graph_bytes(config, max_seq_len)

@@ -10,7 +10,7 @@ from safetensors.torch import load_file, save_file
 
 from app.engine import InvalidRequestError, SamplingParams
 from app.engine.lora_loader import load_peft_adapter
-from tests.conftest import make_engine, random_prompts
+from tests.conftest import hf_greedy, make_engine, random_prompts
 
 ADAPTERS = {  # name -> (seed, rank, targets)
     "a": (1, 4, ["q_proj", "v_proj"]),
@@ -273,3 +273,39 @@ def test_without_the_model_the_adapter_is_still_checked_against_itself(adapter_d
     _edit_config(r=2)(adapter_dirs["a"], tmp_path / "rank")
     with pytest.raises(InvalidRequestError, match=r"is \[4, 64\] but rank 2 needs \[2, any\]"):
         load_peft_adapter("a", tmp_path / "rank", max_rank=64)
+
+
+def test_a_mixture_of_experts_takes_attention_adapters_and_refuses_mlp_ones(tmp_path):
+    """Adapters reach the projections the model's layers have: a Mixtral's attention is adapted
+    exactly as peft does it; an adapter for a dense MLP (trained on a Mistral of the same shape) is
+    refused by name, since a mixture has no such projection."""
+    import transformers
+    from peft import LoraConfig, get_peft_model
+
+    shape = dict(vocab_size=200, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, sliding_window=None, tie_word_embeddings=False, initializer_range=0.2,
+                 eos_token_id=1)
+    torch.manual_seed(5)
+    mixtral = transformers.AutoModelForCausalLM.from_config(
+        transformers.MixtralConfig(**shape, num_local_experts=4, num_experts_per_tok=2)).eval()
+    mixtral.save_pretrained(tmp_path / "mixtral")
+    prompts = random_prompts(2, 5, 20, vocab=200, seed=4)
+    base_answer = hf_greedy(mixtral, prompts[0], 16)
+    adapted = get_peft_model(mixtral, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "o_proj"],
+                                                 init_lora_weights=False))
+    for module in adapted.modules():
+        if hasattr(module, "lora_B"):
+            for b in module.lora_B.values():
+                torch.nn.init.normal_(b.weight, std=0.5)
+    adapted.save_pretrained(tmp_path / "attention")
+    dense = transformers.AutoModelForCausalLM.from_config(transformers.MistralConfig(**shape))
+    get_peft_model(dense, LoraConfig(r=4, target_modules=["gate_proj"])).save_pretrained(tmp_path / "mlp")
+
+    engine = make_engine(tmp_path / "mixtral")
+    engine.add_lora("attention", tmp_path / "attention")
+    outputs = _run(engine, prompts, [(0, "attention"), (1, "attention"), (0, None)], [0, 0, 0])
+    assert outputs == [hf_greedy(adapted.eval(), p, 16) for p in prompts] + [base_answer]
+    with pytest.raises(InvalidRequestError, match="gate_proj: this model's adapters reach q_proj, k_proj, v_proj, "
+                                                  "o_proj only"):
+        engine.add_lora("mlp", tmp_path / "mlp")
+

@@ -20,6 +20,12 @@ VARIANTS = {
     "mixtral-top2-of-4": ("MixtralConfig", dict(tie_word_embeddings=False, sliding_window=None, num_local_experts=4,
                                                 num_experts_per_tok=2)),
     "qwen3-qk-norm": ("Qwen3Config", dict(tie_word_embeddings=True, head_dim=32)),  # head_dim != hidden / heads
+    # A 16-token window: prompts of up to 90 tokens and 30 outputs run far past it.
+    "mistral-sliding-window": ("MistralConfig", dict(tie_word_embeddings=False, sliding_window=16)),
+    # Layer 0 slides (16), layer 1 attends fully. Softcaps low enough to bend this model's logits.
+    # Gemma 2's own head_dim (256, which the CUDA kernels must take too).
+    "gemma2": ("Gemma2Config", dict(head_dim=256, sliding_window=16, query_pre_attn_scalar=144,
+                                    attn_logit_softcapping=4.0, final_logit_softcapping=3.0)),
 }
 
 
@@ -39,6 +45,10 @@ def _save_tiny(path, variant: str):
         for layer in model.model.layers:
             for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
                 torch.nn.init.normal_(norm.weight, mean=1.0, std=0.5)
+    if variant == "gemma2":  # HF initialises the (1 + w) norms' w to zero; make them count
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                torch.nn.init.normal_(param, std=0.5)
     model.save_pretrained(path)
     return model
 
@@ -52,9 +62,10 @@ def test_architecture_variants_match_transformers(tmp_path, variant):
     assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(model, p, 30) for p in prompts]
 
 
-@pytest.mark.parametrize("variant", ["phi3-fused-qkv-gate-up", "mixtral-top2-of-4", "qwen3-qk-norm"])
+@pytest.mark.parametrize("variant", ["phi3-fused-qkv-gate-up", "mixtral-top2-of-4", "qwen3-qk-norm", "gemma2"])
 def test_new_families_split_over_two_tensor_parallel_ranks(tmp_path, variant):
-    """Fused checkpoint tensors, experts and per-head norms are sliced per rank (gloo, two processes)."""
+    """Fused checkpoint tensors, experts, per-head norms and softcapped heads are sliced per rank
+    (gloo, two processes)."""
     model = _save_tiny(tmp_path, variant)
     prompts = random_prompts(2, 5, 60, vocab=200, seed=3)
     engine = make_engine(tmp_path, tensor_parallel_size=2)
@@ -63,6 +74,69 @@ def test_new_families_split_over_two_tensor_parallel_ranks(tmp_path, variant):
     finally:
         engine.shutdown()
     assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(model, p, 20) for p in prompts]
+
+
+def test_gemma2_logprobs_match_transformers(tmp_path):
+    """Greedy tokens cannot see the final logit softcap (tanh is monotonic); the logprobs do."""
+    model = _save_tiny(tmp_path, "gemma2")
+    prompt = random_prompts(1, 40, 40, vocab=200, seed=5)[0]
+    out = make_engine(tmp_path).generate([prompt], SamplingParams(max_tokens=12, temperature=0.0,
+                                                                  logprobs=True))[0].outputs[0]
+    with torch.inference_mode():
+        ref = model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, output_logits=True,
+                             return_dict_in_generate=True, pad_token_id=0)
+    tokens = ref.sequences[0, len(prompt):]
+    ref_logprobs = [torch.log_softmax(step[0].float(), -1)[t].item() for step, t in zip(ref.logits, tokens)]
+    n = len(out.token_ids)
+    assert n > 0 and out.token_ids == tokens[:n].tolist()
+    assert out.logprobs == pytest.approx(ref_logprobs[:n], abs=1e-4)
+
+
+@pytest.mark.parametrize("variant", ["mistral-sliding-window", "gemma2"])
+def test_sliding_window_over_chunked_prefill_and_a_cached_prefix(tmp_path, variant):
+    """Prompts prefilled 20 tokens a step, so later chunks attend to a cached prefix longer than the
+    16-token window; then prompts that extend the first ones, whose cached blocks are reused, so
+    their first chunk too starts past the window. (Two layers of a 16-token window see 30 tokens
+    back: the prompts are short enough for every chunk to count.)"""
+    model = _save_tiny(tmp_path, variant)
+    prompts = random_prompts(3, 30, 50, vocab=200, seed=6)
+    extended = [p + q for p, q in zip(prompts, random_prompts(3, 10, 30, vocab=200, seed=7))]
+    engine = make_engine(tmp_path, max_num_tokens=20)
+    params = SamplingParams(max_tokens=40, temperature=0.0)
+    first = engine.generate(prompts, params)
+    second = engine.generate(extended, params)
+    assert all(out.metrics.kv_cache_reused_blocks >= 3 for out in second)
+    assert [o.outputs[0].token_ids for o in first + second] == [hf_greedy(model, p, 40) for p in prompts + extended]
+
+
+def _prefill_step(block_size=8, heads=4, kv_heads=2, head_dim=16, device="cpu", dtype=torch.float32):
+    """A random cache and one step of two prefill chunks, the second over a 28-token cached prefix:
+    (q, k, v, caches, per-chunk metadata, step-wide varlen metadata)."""
+    from app.engine.models.attention import AttentionMetadata, PrefillChunk, VarlenPrefill
+
+    g = torch.Generator().manual_seed(0)
+    k_cache, v_cache = (torch.randn(9, block_size, kv_heads, head_dim, generator=g).to(device, dtype) for _ in "kv")
+    prefills = [(0, 20, 20, [0, 1, 2]), (20, 12, 40, [3, 4, 5, 6, 7])]  # (start, tokens, context, block table)
+    slots = torch.cat([(torch.tensor(table)[:, None] * block_size + torch.arange(block_size)).flatten()[ctx - n:ctx]
+                       for _, n, ctx, table in prefills]).to(device)
+    q = torch.randn(len(slots), heads, head_dim, generator=g).to(device, dtype)
+    k, v = (cache.view(-1, kv_heads, head_dim)[slots] for cache in (k_cache, v_cache))
+    chunks = AttentionMetadata(slots, 0, None, None, [PrefillChunk(start, n, ctx, torch.tensor(table, device=device))
+                                                      for start, n, ctx, table in prefills])
+    varlen = AttentionMetadata(slots, 0, None, None, [], None, VarlenPrefill.build(prefills, block_size,
+                                                                                   torch.device(device)))
+    return q, k, v, k_cache, v_cache, chunks, varlen
+
+
+def test_softcapped_step_wide_prefill_falls_back_to_chunk_by_chunk():
+    """On CUDA in 16-bit a step's chunks arrive as one VarlenPrefill; softcaps (and windows, on a
+    torch whose flash attention takes none) split it back into its chunks, keys from the cache."""
+    from app.engine.models.attention import paged_attention
+
+    q, k, v, k_cache, v_cache, chunks, varlen = _prefill_step()
+    for window in (None, 16):
+        expected = paged_attention(q, k, v, k_cache, v_cache, chunks, 0.25, window, 4.0)
+        assert torch.equal(paged_attention(q, k, v, k_cache, v_cache, varlen, 0.25, window, 4.0), expected)
 
 
 def test_gguf_conversion_reproduces_the_gguf_model(smollm2_dir, smollm2_hf):

@@ -1,8 +1,9 @@
 """The engine's CUDA kernels alone, on the device: checks each against a reference and times the
 choices made in app/engine/models (decode tile, fused add + RMSNorm, varlen prefill against one
-SDPA per chunk). Prints one table; `--json` writes every row.
+SDPA per chunk, the grouped-GEMM mixture of experts against running its experts one by one). Prints
+one table; `--json` writes every row.
 
-    python -m tools.bench.kernels --json kernels.json
+    python -m tools.bench.kernels --json kernels.json [--only moe]
 """
 from __future__ import annotations
 
@@ -16,8 +17,10 @@ from triton.testing import do_bench
 
 from app.engine.models.attention import (AttentionMetadata, PrefillChunk, VarlenPrefill, paged_attention,
                                          varlen_prefill_supported)
+from app.engine.models.moe import SparseMoE
 from app.engine.models.triton_attention import paged_decode
 from app.engine.models.triton_fused import add_rms_norm
+from app.engine.parallel import SINGLE
 
 SHAPES = {"llama-3.1-8b": dict(heads=32, kv_heads=8, head_dim=128, hidden=4096),
           "smollm2-135m": dict(heads=9, kv_heads=3, head_dim=64, hidden=576)}
@@ -124,6 +127,43 @@ def prefill(shape: str, chunks: list[tuple[int, int]], block_size: int = 32) -> 
          per_chunk_us=one_each, varlen_tflops=flops / fused / 1e6, rel_err_vs_sdpa=err)
 
 
+def _experts_one_by_one(moe: SparseMoE, x: torch.Tensor) -> torch.Tensor:
+    """The baseline: each expert hit by the step runs over its own tokens (needs the hit list on the host)."""
+    probs = F.softmax(moe.gate(x).float(), dim=-1)
+    weights, experts = probs.topk(moe.top_k, dim=-1)
+    weights /= weights.sum(dim=-1, keepdim=True)
+    out = torch.zeros_like(x)
+    for expert in experts.unique().tolist():
+        tokens, slot = torch.where(experts == expert)
+        gate, up = F.linear(x[tokens], moe.w13[expert]).chunk(2, dim=-1)
+        out.index_add_(0, tokens, (F.linear(F.silu(gate) * up, moe.w2[expert]) * weights[tokens, slot, None]).to(x.dtype))
+    return out
+
+
+def moe(tokens: int, experts: int = 8, top_k: int = 2, hidden: int = 4096, intermediate: int = 14336) -> None:
+    """Mixtral-8x7B's layer shape, bf16, random weights; also the grouped path replayed from a CUDA graph."""
+    layer = SparseMoE(hidden, intermediate, experts, top_k, torch.bfloat16, SINGLE).cuda()
+    for weight in (layer.gate.weight, layer.w13, layer.w2):
+        torch.nn.init.normal_(weight, std=hidden ** -0.5)
+    x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
+    with torch.inference_mode():
+        err = _rel_err(layer(x), _experts_one_by_one(layer, x))
+        grouped, looped = do_bench(lambda: layer(x)), do_bench(lambda: _experts_one_by_one(layer, x))
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            layer(x)  # warm-up off the capture
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            layer(x)
+        replayed = do_bench(graph.replay)
+    weight_bytes = 3 * hidden * intermediate * 2 * min(experts, tokens * top_k)
+    _row(kernel="moe", tokens=tokens, experts=experts, top_k=top_k, grouped_ms=grouped, one_by_one_ms=looped,
+         graph_ms=replayed, speedup=looped / grouped, graph_speedup=looped / replayed,
+         weight_gbps=weight_bytes / replayed / 1e6, rel_err=err)
+
+
 def _attempt(fn, *args) -> None:
     """One row; a failure is printed and the table goes on (one device call measures them all)."""
     try:
@@ -132,9 +172,41 @@ def _attempt(fn, *args) -> None:
         print(f"FAILED {fn.__name__}{args!r:.120}: {type(e).__name__}: {e}", flush=True)
 
 
+def _decodes() -> None:
+    for shape, seqs, context in (("smollm2-135m", 1, 200), ("llama-3.1-8b", 1, 200), ("llama-3.1-8b", 1, 2000),
+                                 ("llama-3.1-8b", 64, 256), ("llama-3.1-8b", 256, 256),
+                                 ("llama-3.1-8b", 200, 1500)):
+        _attempt(decode, shape, seqs, context, 32)
+
+
+def _add_norms() -> None:
+    for shape, tokens in (("smollm2-135m", 1), ("llama-3.1-8b", 1), ("llama-3.1-8b", 512), ("llama-3.1-8b", 8192)):
+        _attempt(add_norm, shape, tokens)
+
+
+def _prefills() -> None:
+    if not varlen_prefill_supported(torch.device("cuda"), torch.bfloat16):
+        print("varlen prefill: unsupported by this torch, not timed", flush=True)
+        return
+    for shape, chunks in (("llama-3.1-8b", [(128, 0)] * 64), ("llama-3.1-8b", [(1000, 0)] * 8),
+                          ("llama-3.1-8b", [(96, 160), (128, 0), (500, 1000), (7, 33)]),
+                          ("smollm2-135m", [(128, 0)] * 16)):
+        _attempt(prefill, shape, chunks)
+
+
+def _moes() -> None:
+    for tokens in (1, 16, 64, 256, 1024, 4096):
+        _attempt(moe, tokens)
+
+
+SECTIONS = {"decode": _decodes, "add_norm": _add_norms, "prefill": _prefills, "moe": _moes}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json")
+    parser.add_argument("--only", choices=list(SECTIONS), action="append",
+                        help="time these kernels only (repeatable); default all")
     args = parser.parse_args()
     try:
         from torch.nn.attention import varlen
@@ -142,19 +214,8 @@ def main() -> None:
     except ImportError:
         print("varlen_attn: not in this torch", flush=True)
     torch.manual_seed(0)
-    for shape, seqs, context in (("smollm2-135m", 1, 200), ("llama-3.1-8b", 1, 200), ("llama-3.1-8b", 1, 2000),
-                                 ("llama-3.1-8b", 64, 256), ("llama-3.1-8b", 256, 256),
-                                 ("llama-3.1-8b", 200, 1500)):
-        _attempt(decode, shape, seqs, context, 32)
-    for shape, tokens in (("smollm2-135m", 1), ("llama-3.1-8b", 1), ("llama-3.1-8b", 512), ("llama-3.1-8b", 8192)):
-        _attempt(add_norm, shape, tokens)
-    if not varlen_prefill_supported(torch.device("cuda"), torch.bfloat16):
-        print("varlen prefill: unsupported by this torch, not timed", flush=True)
-    else:
-        for shape, chunks in (("llama-3.1-8b", [(128, 0)] * 64), ("llama-3.1-8b", [(1000, 0)] * 8),
-                              ("llama-3.1-8b", [(96, 160), (128, 0), (500, 1000), (7, 33)]),
-                              ("smollm2-135m", [(128, 0)] * 16)):
-            _attempt(prefill, shape, chunks)
+    for name in args.only or SECTIONS:
+        SECTIONS[name]()
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "rows": ROWS}, f, indent=1)

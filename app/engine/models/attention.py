@@ -5,6 +5,13 @@ Decodes run, on CUDA, as a Triton kernel reading each sequence's own blocks (CUD
 elsewhere as one batched SDPA over gathered blocks with a length mask. Prefill chunks attend
 causally within the chunk and fully to the cached prefix before it: on CUDA in 16-bit all of a
 step's chunks go through one varlen flash-attention call; elsewhere each chunk runs its own SDPA.
+
+A sliding window (Mistral, Gemma 2's alternate layers) lets each query see only the last `window`
+keys, itself included: transformers' `kv_idx > q_idx - window`. Every block of a sequence stays in
+its cache (blocks that fell out of the window are not freed), the paths just skip or mask them.
+Softcapped logits (Gemma 2: tanh(s / cap) * cap before the softmax) are beyond SDPA and torch's
+flash attention: the Triton decode kernel caps them itself, every other path (prefill on every
+device, decode off CUDA) computes such attention explicitly.
 """
 from __future__ import annotations
 
@@ -35,6 +42,7 @@ class VarlenPrefill:
     max_q: int
     max_k: int
     kv_slots: torch.Tensor | None  # cache slots of every chunk's keys; None: no prefix, the step's own keys
+    sizes: list[tuple[int, int]]  # (num_tokens, context_len) per chunk, on the host: the per-chunk fallback
 
     @classmethod
     def build(cls, prefills: list[tuple[int, int, int, list[int]]], block_size: int,
@@ -50,15 +58,18 @@ class VarlenPrefill:
         def cumulative(sizes):
             starts = torch.tensor([0] + sizes, dtype=torch.int32).cumsum(0, dtype=torch.int32)
             return starts.to(device, non_blocking=True)
-        return cls(cumulative(news), cumulative(contexts), max(news), max(contexts), kv_slots)
+        return cls(cumulative(news), cumulative(contexts), max(news), max(contexts), kv_slots,
+                   list(zip(news, contexts)))
 
 
 @functools.cache
 def _flash_varlen():
-    """torch's varlen flash attention as f(q, k, v, cu_q, cu_k, max_q, max_k, scale), causal, or None
-    where this torch has none. Its causal mask is aligned at each sequence's end (flash attention's
+    """torch's varlen flash attention as f(q, k, v, cu_q, cu_k, max_q, max_k, scale, window), causal, or
+    None where this torch has none. Its causal mask is aligned at each sequence's end (flash attention's
     convention), so a chunk's queries see its whole cached prefix. The keyword that asks for causal
-    masking moved between torch releases: `is_causal`, later `window_size=(-1, 0)`."""
+    masking moved between torch releases: `is_causal`, later `window_size=(-1, 0)`. Only the latter
+    takes a sliding window, `(window - 1, 0)`: that many keys left of the query, and the query's own
+    (f.windowed says which; without it, windowed chunks take the per-chunk path)."""
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
@@ -66,12 +77,13 @@ def _flash_varlen():
     params = inspect.signature(varlen_attn).parameters
     if "scale" not in params:
         return None
-    options = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
-    if "enable_gqa" in params:  # where torch asks for it, fewer key heads than query heads is opt-in
-        options["enable_gqa"] = True
+    windowed = "window_size" in params
+    options = {"enable_gqa": True} if "enable_gqa" in params else {}  # where torch asks, GQA is opt-in
 
-    def attend(q, k, v, cu_q, cu_k, max_q, max_k, scale):
-        return varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, **options)
+    def attend(q, k, v, cu_q, cu_k, max_q, max_k, scale, window=None):
+        mask = {"window_size": (-1 if window is None else window - 1, 0)} if windowed else {"is_causal": True}
+        return varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, **mask, **options)
+    attend.windowed = windowed
     return attend
 
 
@@ -99,18 +111,21 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, window: int | None = None,
+                    softcap: float | None = None) -> torch.Tensor:
     """q: [T, H, D]; k, v: [T, KVH, D], already in the caches [num_blocks, block_size, KVH, D].
-    Returns [T, H, D]."""
+    window: keys each query sees, itself included (None: all before it); softcap: tanh(s / cap) * cap
+    on the scaled logits. Returns [T, H, D]."""
     nd = meta.num_decodes
     on_cuda = nd and meta.decode_context_lens is not None  # the Triton kernel takes lengths, no mask
     if on_cuda:
         from app.engine.models.triton_attention import paged_decode
-        decode = paged_decode(q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale)
+        decode = paged_decode(q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale,
+                              window, softcap)
         if nd == q.shape[0]:  # decode-only step: the kernel's output is the answer, no copy
             return decode
     if meta.varlen is not None:
-        prefill = _varlen_prefill(q[nd:], k[nd:], v[nd:], k_cache, v_cache, meta.varlen, scale)
+        prefill = _varlen_prefill(q[nd:], k[nd:], v[nd:], k_cache, v_cache, meta.varlen, scale, window, softcap)
         return torch.cat([decode, prefill]) if nd else prefill
     out = torch.empty_like(q)
     if on_cuda:
@@ -118,29 +133,60 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     elif nd:
         keys = _gather(k_cache, meta.decode_block_tables)  # [B, KVH, L, D]
         values = _gather(v_cache, meta.decode_block_tables)
-        o = F.scaled_dot_product_attention(q[:nd].unsqueeze(2), keys, values, attn_mask=meta.decode_mask,
-                                           scale=scale, enable_gqa=True)
-        out[:nd] = o.squeeze(2)
+        mask = meta.decode_mask
+        if window is not None:  # each sequence's last `window` keys, its newest one included
+            mask = mask & (torch.arange(mask.shape[-1], device=q.device) >= mask.sum(-1, keepdim=True) - window)
+        out[:nd] = _attend(q[:nd].unsqueeze(2), keys, values, mask, scale, softcap).squeeze(2)
     for chunk in meta.prefills:
         rows = slice(chunk.start, chunk.start + chunk.num_tokens)
-        qc = q[rows].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
         if chunk.context_len == chunk.num_tokens:  # no cached prefix: this chunk's own k, v suffice
-            kc, vc = k[rows].transpose(0, 1).unsqueeze(0), v[rows].transpose(0, 1).unsqueeze(0)
-            o = F.scaled_dot_product_attention(qc, kc, vc, is_causal=True, scale=scale, enable_gqa=True)
+            kc, vc = k[rows], v[rows]
         else:
-            kc = _gather(k_cache, chunk.block_table[None])[:, :, :chunk.context_len]
-            vc = _gather(v_cache, chunk.block_table[None])[:, :, :chunk.context_len]
-            mask = _prefix_causal_mask(chunk.num_tokens, chunk.context_len, q.device)
-            o = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=mask, scale=scale, enable_gqa=True)
-        out[rows] = o[0].transpose(0, 1)
+            kc = k_cache.index_select(0, chunk.block_table).flatten(0, 1)[:chunk.context_len]
+            vc = v_cache.index_select(0, chunk.block_table).flatten(0, 1)[:chunk.context_len]
+        out[rows] = _chunk_attention(q[rows], kc, vc, scale, window, softcap)
     return out
 
 
-def _varlen_prefill(q, k, v, k_cache, v_cache, varlen: VarlenPrefill, scale: float) -> torch.Tensor:
+def _varlen_prefill(q, k, v, k_cache, v_cache, varlen: VarlenPrefill, scale: float, window: int | None,
+                    softcap: float | None) -> torch.Tensor:
     if varlen.kv_slots is not None:  # some chunk has a cached prefix: every chunk's keys from the cache
         k = k_cache.view(-1, k.shape[1], k.shape[2]).index_select(0, varlen.kv_slots)
         v = v_cache.view(-1, v.shape[1], v.shape[2]).index_select(0, varlen.kv_slots)
-    return _flash_varlen()(q, k, v, varlen.cu_q, varlen.cu_k, varlen.max_q, varlen.max_k, scale)
+    flash = _flash_varlen()
+    if softcap is None and (window is None or flash.windowed):
+        return flash(q, k, v, varlen.cu_q, varlen.cu_k, varlen.max_q, varlen.max_k, scale, window)
+    out = torch.empty_like(q)
+    row = key = 0  # chunk by chunk: k, v hold each chunk's context in turn, as flash attention reads them
+    for num_tokens, context_len in varlen.sizes:
+        out[row:row + num_tokens] = _chunk_attention(q[row:row + num_tokens], k[key:key + context_len],
+                                                     v[key:key + context_len], scale, window, softcap)
+        row, key = row + num_tokens, key + context_len
+    return out
+
+
+def _chunk_attention(q, k, v, scale: float, window: int | None, softcap: float | None) -> torch.Tensor:
+    """One prefill chunk: q [n, H, D] are the last n positions of the context whose keys and values
+    are k, v [context_len, KVH, D]. Returns [n, H, D]."""
+    n, context_len = q.shape[0], k.shape[0]
+    q, k, v = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
+    if n == context_len and window is None and softcap is None:
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+    else:
+        o = _attend(q, k, v, _causal_mask(n, context_len, q.device, window), scale, softcap)
+    return o[0].transpose(0, 1)
+
+
+def _attend(q, k, v, mask: torch.Tensor, scale: float, softcap: float | None) -> torch.Tensor:
+    """q [B, H, n, D]; k, v [B, KVH, L, D]; mask [B or 1, 1, n, L], True where a query sees a key."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    # Op by op as transformers' eager attention, the path Gemma 2 runs there.
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    scores = torch.tanh(q @ k.transpose(-1, -2) * scale / softcap) * softcap
+    probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), -1, dtype=torch.float32).to(q.dtype)
+    return probs @ v
 
 
 def _gather(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
@@ -150,7 +196,10 @@ def _gather(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
     return blocks.view(b, nb * cache.shape[1], cache.shape[2], cache.shape[3]).transpose(1, 2)
 
 
-def _prefix_causal_mask(num_queries: int, context_len: int, device) -> torch.Tensor:
-    """Query i sits at position context_len - num_queries + i and sees keys up to it."""
+def _causal_mask(num_queries: int, context_len: int, device, window: int | None) -> torch.Tensor:
+    """Query i sits at position context_len - num_queries + i and sees keys up to it, or with a
+    window only the last `window` of them."""
     q_pos = torch.arange(context_len - num_queries, context_len, device=device)[:, None]
-    return torch.arange(context_len, device=device)[None, :] <= q_pos
+    k_pos = torch.arange(context_len, device=device)[None, :]
+    mask = k_pos <= q_pos
+    return mask if window is None else mask & (k_pos > q_pos - window)

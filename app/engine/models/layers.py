@@ -87,10 +87,19 @@ class Linear(MergedLinear):
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float, dtype: torch.dtype):
+    """unit_offset (Gemma): checkpoints hold w and the norm scales by 1 + w, in float32 and rounded once
+    (transformers' Gemma2RMSNorm). The weight holds 1 + w in float32, added once at load, so 1 + w is
+    never rounded to 16 bits and the fused CUDA add + norm kernel (float32, one rounding) computes
+    Gemma's norm as it is; the unfused path normalises in float32 for it."""
+
+    def __init__(self, size: int, eps: float, dtype: torch.dtype, unit_offset: bool = False):
         super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(size, dtype=dtype), requires_grad=False)
+        self.eps, self.unit_offset = eps, unit_offset
+        self.weight = nn.Parameter(torch.ones(size, dtype=torch.float32 if unit_offset else dtype),
+                                   requires_grad=False)
+
+    def load(self, tensor: torch.Tensor) -> None:
+        self.weight.copy_(tensor.float() + 1.0 if self.unit_offset else tensor)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """RMSNorm(x); or, given the residual stream, adds x to it in place and returns
@@ -103,6 +112,8 @@ class RMSNorm(nn.Module):
         return self._norm(residual.add_(x)), residual
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        if self.unit_offset:
+            return F.rms_norm(x.float(), self.weight.shape, self.weight, self.eps).to(x.dtype)
         # One fused kernel. In float32 it is the same arithmetic as below; in 16-bit on CUDA it
         # rounds once instead of before the weight (within bf16 tolerance), for a fraction of the
         # seven kernels below, which bound a small decode step.
@@ -157,3 +168,10 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def grouped_gemm_native(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether torch._grouped_mm (experts, LoRA slots) is one kernel reading its segment ends on the
+    device: bf16 on Hopper and later. Elsewhere it loops over the groups from the host, which a CUDA
+    graph cannot capture."""
+    return device.type == "cuda" and dtype == torch.bfloat16 and torch.cuda.get_device_capability(device) >= (9, 0)

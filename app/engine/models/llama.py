@@ -1,4 +1,5 @@
-"""Llama-family decoder (Llama 2/3, Mistral, Mixtral, Phi-3, Qwen2, Qwen3, SmolLM2, TinyLlama) over a paged KV cache."""
+"""Llama-family decoder (Llama 2/3, Mistral, Mixtral, Phi-3, Qwen2, Qwen3, Gemma 2, SmolLM2, TinyLlama) over a
+paged KV cache."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -9,11 +10,11 @@ from torch import nn
 
 from app.engine.models.attention import AttentionMetadata, paged_attention, store_kv
 from app.engine.models.layers import (Linear, MergedLinear, RMSNorm, RotaryEmbedding, apply_rotary,
-                                      cpu_packing_available)
+                                      cpu_packing_available, grouped_gemm_native)
 from app.engine.models.moe import SparseMoE
 from app.engine.parallel import SINGLE, ParallelLayout, TensorParallel
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "mixtral", "phi3", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "mixtral", "phi3", "qwen2", "qwen3", "gemma2")
 
 
 @dataclass
@@ -36,9 +37,15 @@ class ModelConfig:
     qkv_bias: bool
     qk_norm: bool  # Qwen3: an RMSNorm over each query and key head, before the rotation
     eos_token_ids: tuple[int, ...]
-    sliding_window: int | None
+    layer_windows: tuple[int | None, ...]  # per layer: the sliding window (keys seen, own included), or None
     num_experts: int = 0  # Mixtral: a sparse mixture of experts in place of the MLP
     experts_per_token: int = 0
+    # Gemma 2:
+    hidden_act: str = "silu"  # gelu_pytorch_tanh: GELU's tanh approximation
+    query_pre_attn_scalar: float | None = None  # attention scale is its -0.5 power (default: head_dim's)
+    attn_logit_softcapping: float | None = None  # tanh(s / cap) * cap on the attention logits
+    final_logit_softcapping: float | None = None  # the same on the output logits
+    gemma_norms: bool = False  # norms scale by 1 + w; norms after attention and MLP too; embeddings * sqrt(hidden)
 
     @classmethod
     def from_hf(cls, d: dict) -> ModelConfig:
@@ -51,11 +58,13 @@ class ModelConfig:
         partial = rope.get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0))
         if partial != 1.0:
             raise ValueError(f"partial_rotary_factor {partial} is not supported (the whole head is rotated)")
+        act = d.get("hidden_activation") or d.get("hidden_act") or "silu"
+        if act not in ("silu", "gelu_pytorch_tanh"):
+            raise ValueError(f"activation {act!r} is not supported (silu, gelu_pytorch_tanh)")
         eos = d.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         heads = d["num_attention_heads"]
-        window = d.get("sliding_window") if d.get("use_sliding_window", model_type in ("mistral", "mixtral", "phi3")) \
-            else None
+        gemma = model_type == "gemma2"
         return cls(
             model_type=model_type, vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
             intermediate_size=d["intermediate_size"], num_layers=d["num_hidden_layers"], num_heads=heads,
@@ -66,20 +75,40 @@ class ModelConfig:
             tie_word_embeddings=d.get("tie_word_embeddings", False),
             qkv_bias=d.get("attention_bias", model_type == "qwen2"), qk_norm=model_type == "qwen3",
             eos_token_ids=eos_ids,
-            sliding_window=window, num_experts=d.get("num_local_experts", 0) if model_type == "mixtral" else 0,
+            layer_windows=_layer_windows(model_type, d),
+            num_experts=d.get("num_local_experts", 0) if model_type == "mixtral" else 0,
             experts_per_token=d.get("num_experts_per_tok", 0),
+            hidden_act=act,
+            query_pre_attn_scalar=d.get("query_pre_attn_scalar") if gemma else None,
+            attn_logit_softcapping=d.get("attn_logit_softcapping") if gemma else None,
+            final_logit_softcapping=d.get("final_logit_softcapping") if gemma else None,
+            gemma_norms=gemma,
         )
 
     @property
     def max_seq_len(self) -> int:
-        """Sliding-window attention is not implemented, so such models stop at their window."""
-        return min(self.max_position_embeddings, self.sliding_window or self.max_position_embeddings)
+        return self.max_position_embeddings
+
+
+def _layer_windows(model_type: str, d: dict) -> tuple[int | None, ...]:
+    """Which layers slide, as transformers' modeling code of each family decides."""
+    n, window = d["num_hidden_layers"], d.get("sliding_window")
+    if model_type in ("mistral", "mixtral", "phi3"):  # every layer, whatever layer_types says
+        return (window,) * n
+    if model_type in ("qwen2", "qwen3") and not d.get("use_sliding_window", False):
+        return (None,) * n
+    types = d.get("layer_types")
+    if types is None and model_type == "gemma2":  # configs without layer_types: the config classes' defaults
+        types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)]
+    elif types is None and model_type in ("qwen2", "qwen3"):
+        types = ["sliding_attention" if i >= d.get("max_window_layers", 28) else "full_attention" for i in range(n)]
+    return tuple(window if kind == "sliding_attention" else None for kind in types or [None] * n)
 
 
 class Attention(nn.Module):
     """Under tensor parallelism each rank holds num_heads / tp query heads and their KV heads."""
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, tp: TensorParallel):
+    def __init__(self, cfg: ModelConfig, layer: int, dtype: torch.dtype, tp: TensorParallel):
         super().__init__()
         self.num_heads, self.num_kv_heads = cfg.num_heads // tp.size, cfg.num_kv_heads // tp.size
         self.head_dim = cfg.head_dim
@@ -87,7 +116,8 @@ class Attention(nn.Module):
         self.qkv_proj = MergedLinear(cfg.hidden_size, [q_size, kv_size, kv_size], cfg.qkv_bias, dtype, tp, "column")
         self.o_proj = Linear(q_size, cfg.hidden_size, False, dtype, tp, "row")
         self.split = (q_size // tp.size, kv_size // tp.size, kv_size // tp.size)
-        self.scale = cfg.head_dim ** -0.5
+        self.scale = (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
+        self.window, self.softcap = cfg.layer_windows[layer], cfg.attn_logit_softcapping
         half = cfg.head_dim // 2
         self.fusable = cfg.head_dim % 2 == 0 and half & (half - 1) == 0  # the fused kernel's tile is a power of 2
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
@@ -112,7 +142,7 @@ class Attention(nn.Module):
                                 k.view(t, self.num_kv_heads, self.head_dim), *rope)
             v = v.view(t, self.num_kv_heads, self.head_dim)
             store_kv(k, v, kv_cache[0], kv_cache[1], meta.slot_mapping)
-        o = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        o = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.window, self.softcap)
         return self.o_proj(o.view(t, -1), lora)
 
 
@@ -121,9 +151,13 @@ class MLP(nn.Module):
         super().__init__()
         self.gate_up_proj = MergedLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, False, dtype, tp, "column")
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, False, dtype, tp, "row")
+        self.gelu = cfg.hidden_act == "gelu_pytorch_tanh"
 
     def forward(self, x, lora):
         gate_up = self.gate_up_proj(x, lora)
+        if self.gelu:
+            gate, up = gate_up.chunk(2, dim=-1)
+            return self.down_proj(F.gelu(gate, approximate="tanh").mul_(up), lora)
         if gate_up.is_cuda:
             from app.engine.models.triton_fused import silu_mul
             return self.down_proj(silu_mul(gate_up), lora)
@@ -132,11 +166,18 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, tp: TensorParallel):
+    """Gemma 2 norms each sublayer's output too: post_attention_layernorm is then a plain norm of the
+    attention output, and pre_feedforward_layernorm takes the residual add before the MLP."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, dtype: torch.dtype, tp: TensorParallel):
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.self_attn = Attention(cfg, dtype, tp)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        def norm():
+            return RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, unit_offset=cfg.gemma_norms)
+        self.input_layernorm = norm()
+        self.self_attn = Attention(cfg, layer, dtype, tp)
+        self.post_attention_layernorm = norm()
+        self.pre_feedforward_layernorm = norm() if cfg.gemma_norms else None
+        self.post_feedforward_layernorm = norm() if cfg.gemma_norms else None
         self.mlp = SparseMoE(cfg.hidden_size, cfg.intermediate_size, cfg.num_experts, cfg.experts_per_token, dtype, tp) \
             if cfg.num_experts else MLP(cfg, dtype, tp)
 
@@ -148,6 +189,9 @@ class DecoderLayer(nn.Module):
         else:
             h, residual = self.input_layernorm(x, residual)
         h = self.self_attn(h, rope, kv_cache, meta, lora)
+        if self.pre_feedforward_layernorm is not None:
+            h, residual = self.pre_feedforward_layernorm(self.post_attention_layernorm(h), residual)
+            return self.post_feedforward_layernorm(self.mlp(h, lora)), residual
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h, lora), residual
 
@@ -157,10 +201,13 @@ class LlamaForCausalLM(nn.Module):
     (the first stage the embedding, the last the final norm and lm_head), and under tensor
     parallelism each layer holds its slice of heads and MLP columns."""
 
-    # HF tensor name -> (our parameter path, shard index within a merged linear). A checkpoint that
-    # already fuses them (Phi-3's qkv_proj, gate_up_proj) names the merged linear itself: shard None.
-    PACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-              "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+    # HF projection -> (our module within a decoder layer, shard of its merged linear). The one table
+    # the checkpoint loader (hf_target), the adapter loader and the LoRA shapes read. A checkpoint
+    # that already fuses them (Phi-3's qkv_proj, gate_up_proj) names the merged linear: shard None.
+    PROJECTIONS = {"q_proj": ("self_attn.qkv_proj", 0), "k_proj": ("self_attn.qkv_proj", 1),
+                   "v_proj": ("self_attn.qkv_proj", 2), "o_proj": ("self_attn.o_proj", 0),
+                   "gate_proj": ("mlp.gate_up_proj", 0), "up_proj": ("mlp.gate_up_proj", 1),
+                   "down_proj": ("mlp.down_proj", 0)}
     FUSED = ("qkv_proj", "gate_up_proj")
 
     def __init__(self, cfg: ModelConfig, max_positions: int, dtype: torch.dtype,
@@ -173,14 +220,17 @@ class LlamaForCausalLM(nn.Module):
         if self.is_first:
             self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
             self.embed_tokens.weight.requires_grad_(False)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, tp) for _ in self.layer_ids)
+        # Gemma scales embeddings by sqrt(hidden) rounded to the model's dtype, as transformers does.
+        self.register_buffer("embed_scale", torch.tensor(cfg.hidden_size ** 0.5).to(dtype)
+                             if cfg.gemma_norms and self.is_first else None, persistent=False)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, index, dtype, tp) for index in self.layer_ids)
         for index, layer in zip(self.layer_ids, self.layers):
             for path, module in layer.named_modules():
                 if isinstance(module, MergedLinear):
                     module.lora_key = (index, path)
         self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
         if self.is_last:
-            self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+            self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, unit_offset=cfg.gemma_norms)
             self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, False, dtype)
             if cfg.tie_word_embeddings and self.is_first:
                 self.lm_head.weight = self.embed_tokens.weight
@@ -193,11 +243,18 @@ class LlamaForCausalLM(nn.Module):
                 if isinstance(module, MergedLinear):
                     module.pack_for_cpu()
 
+    def graph_capturable(self) -> bool:
+        """Whether a decode step runs without the host, as a CUDA graph needs."""
+        weight = next(self.parameters())
+        return not self.config.num_experts or grouped_gemm_native(weight.device, weight.dtype)
+
     def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata, logits_indices, lora=None,
                 hidden=None):
         """Logits for the rows in logits_indices (last stage), else the hidden states for the next
         stage, which arrive as `hidden` there. `lora` (a LoRABatch) adapts the rows it names."""
         x = self.embed_tokens(input_ids) if hidden is None else hidden
+        if hidden is None and self.embed_scale is not None:
+            x = x * self.embed_scale
         rope = self.rotary.table(positions, x.dtype)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
@@ -205,7 +262,11 @@ class LlamaForCausalLM(nn.Module):
         if not self.is_last:
             return x + residual  # the next stage starts from the whole stream
         h, _ = self.norm(x[logits_indices], residual[logits_indices])
-        return self.lm_head(h).float()
+        logits = self.lm_head(h)
+        cap = self.config.final_logit_softcapping
+        if cap is not None:  # in the model's dtype, as transformers does
+            logits = torch.tanh(logits / cap) * cap
+        return logits.float()
 
     def hf_target(self, name: str):
         """(module, parameter name, shard) that HF checkpoint tensor `name` loads into, or None for
@@ -230,11 +291,23 @@ class LlamaForCausalLM(nn.Module):
             if parts[3] == "experts":
                 return self.get_submodule(".".join(parts[:3])), parts[5], int(parts[4])
         shard = 0
-        if len(parts) >= 4 and parts[-2] in self.PACKED:
-            parts[-2], shard = self.PACKED[parts[-2]]
+        if len(parts) >= 4 and parts[-2] in self.PROJECTIONS:
+            path, shard = self.PROJECTIONS[parts[-2]]
+            parts[-3:-1] = path.split(".")
         elif len(parts) >= 4 and parts[-2] in self.FUSED:
             shard = None
         return self.get_submodule(".".join(parts[:-1])), parts[-1], shard
+
+    @staticmethod
+    def lora_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
+        """HF projection -> full (unsharded) (in, out), for each projection an adapter may reach (a
+        mixture of experts has no dense MLP)."""
+        q, kv, hidden, inter = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.hidden_size, \
+            cfg.intermediate_size
+        shapes = {"q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv), "o_proj": (q, hidden)}
+        if not cfg.num_experts:
+            shapes.update(gate_proj=(hidden, inter), up_proj=(hidden, inter), down_proj=(inter, hidden))
+        return shapes
 
     def load_hf_tensor(self, name: str, tensor: torch.Tensor) -> bool:
         """Copy one HF checkpoint tensor (unsharded) into place; False for names this rank does not hold."""
@@ -244,6 +317,8 @@ class LlamaForCausalLM(nn.Module):
         module, param, shard = target
         if isinstance(module, SparseMoE):
             module.load_expert(param, tensor, shard)
+        elif isinstance(module, RMSNorm):
+            module.load(tensor)
         elif isinstance(module, MergedLinear) and shard is None:
             module.load_fused(param, tensor)
         elif isinstance(module, MergedLinear):

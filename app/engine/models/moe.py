@@ -1,8 +1,9 @@
 """Mixtral's sparse mixture-of-experts feed-forward, in place of the dense MLP.
 
 A router scores every expert per token; the top-k scores (softmax over all experts, then
-renormalised over the k) weight the SwiGLU outputs of those k experts. Experts run one by one
-over the tokens routed to them, so a step's cost follows the experts it hits. Under tensor
+renormalised over the k) weight the SwiGLU outputs of those k experts. All experts run in one
+grouped GEMM per matmul over the tokens routed to them (torch._grouped_mm: CUTLASS on Hopper, a
+loop over the groups elsewhere). Under tensor
 parallelism each rank holds a slice of every expert's intermediate columns and the partial sums are
 all-reduced once per layer, as the dense MLP's row linear does.
 """
@@ -41,14 +42,23 @@ class SparseMoE(nn.Module):
         self.w13[expert, half * self.intermediate:(half + 1) * self.intermediate].copy_(rows)
 
     def forward(self, x: torch.Tensor, lora=None) -> torch.Tensor:
-        """`lora` is accepted for the dense MLP's signature: adapters do not reach the experts."""
+        """`lora` is accepted for the dense MLP's signature: adapters do not reach the experts.
+
+        Every (token, chosen expert) pair becomes a row, rows are sorted by expert, and each of the two
+        expert matmuls is one grouped GEMM over those segments: one launch for all experts, the
+        segment ends computed on the device, so where the GEMM is native nothing waits for the host
+        and decode steps can be captured in CUDA graphs."""
+        t = x.shape[0]
         probs = F.softmax(self.gate(x).float(), dim=-1)
         weights, experts = probs.topk(self.top_k, dim=-1)
         weights /= weights.sum(dim=-1, keepdim=True)
-        out = torch.zeros_like(x)
-        for expert in experts.unique().tolist():
-            tokens, slot = torch.where(experts == expert)
-            gate, up = F.linear(x[tokens], self.w13[expert]).chunk(2, dim=-1)
-            h = F.linear(F.silu(gate) * up, self.w2[expert]) * weights[tokens, slot, None]
-            out.index_add_(0, tokens, h.to(out.dtype))
-        return self.tp.all_reduce(out)
+        order = experts.flatten().argsort(stable=True)  # row r of the sorted pairs is pair order[r]
+        counts = torch.zeros(self.w13.shape[0], dtype=torch.int32, device=x.device)
+        counts.scatter_add_(0, experts.flatten(), torch.ones_like(order, dtype=torch.int32))
+        ends = counts.cumsum(0, dtype=torch.int32)
+        rows = x[order // self.top_k]
+        gate, up = torch._grouped_mm(rows, self.w13.transpose(1, 2), offs=ends).chunk(2, dim=-1)
+        h = torch._grouped_mm(F.silu(gate) * up, self.w2.transpose(1, 2), offs=ends)
+        h = h * weights.flatten()[order, None].to(h.dtype)
+        out = torch.empty_like(h).index_copy_(0, order, h)  # back to (token, choice) order: summed without atomics
+        return self.tp.all_reduce(out.view(t, self.top_k, -1).sum(dim=1))

@@ -4,25 +4,33 @@ query head of the KV head's group in one tile (GQA). Each iteration reads a tile
 context tokens, spanning several cache blocks when blocks are small, so more bytes are in flight
 per program (tools/bench/kernels.py measures the choice). Its inputs are tensors only (block
 tables, context lengths), so decode steps can be captured in CUDA graphs.
+
+With a sliding window a sequence attends to its last `window` keys (its newest included): the walk
+starts at the tile holding the first of them, so blocks wholly before the window are never read,
+and positions before it in that tile are masked. Softcapping (Gemma 2) applies tanh(s / cap) * cap
+to the scaled scores, before the online softmax.
 """
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 TILE_TOKENS = 128  # context tokens per iteration (tools/bench/kernels.py: best or within 5% at every shape)
+TILE_BYTES = 64 << 10  # at most per key (and value) tile: 128 tokens of float32 heads of 256 overran shared memory
 NUM_WARPS = 4
 
 
 @triton.jit
-def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, scale,
+def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, scale, window,
                          stride_qt, stride_qh, stride_cb, stride_cs, stride_ch, stride_tb, stride_ot, stride_oh,
                          GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
-                         BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, IEEE: tl.constexpr):
+                         BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, IEEE: tl.constexpr, SOFTCAP: tl.constexpr):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     context = tl.load(lens_ptr + seq)
+    first = tl.maximum(context - window, 0)  # the window's first position; the first tile always holds one
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, HEAD_DIM)
     n = tl.arange(0, TILE)
@@ -32,9 +40,9 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, sca
     m = tl.full([BLOCK_G], float("-inf"), tl.float32)
     total = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
-    for i in range(0, tl.cdiv(context, TILE)):
+    for i in range(first // TILE, tl.cdiv(context, TILE)):
         pos = i * TILE + n
-        valid = pos < context
+        valid = (pos >= first) & (pos < context)
         block = tl.load(tables_ptr + seq * stride_tb + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
         offsets = block[:, None] * stride_cb + (pos % BLOCK_SIZE)[:, None] * stride_cs + kv_head * stride_ch \
             + d[None, :]
@@ -43,6 +51,8 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, sca
             scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
         else:
             scores = tl.dot(q, tl.trans(k)) * scale
+        if SOFTCAP > 0:
+            scores = libdevice.tanh(scores / SOFTCAP) * SOFTCAP
         scores = tl.where(valid[None, :], scores, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, 1))
         p = tl.exp(scores - m_new[:, None])
@@ -60,18 +70,20 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, sca
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                 context_lens: torch.Tensor, scale: float, tile_tokens: int = TILE_TOKENS,
-                 num_warps: int = NUM_WARPS) -> torch.Tensor:
+                 context_lens: torch.Tensor, scale: float, window: int | None = None, softcap: float | None = None,
+                 tile_tokens: int = TILE_TOKENS, num_warps: int = NUM_WARPS) -> torch.Tensor:
     """q: [B, H, D]; caches: [num_blocks, block_size, KVH, D]; block_tables: [B, max_blocks] (int32);
-    context_lens: [B] (int32). Returns [B, H, D]."""
+    context_lens: [B] (int32); window: keys each sequence attends to, its newest included (None: all).
+    Returns [B, H, D]."""
     num_seqs, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
+    tile = min(max(tile_tokens, block_size), TILE_BYTES // (head_dim * k_cache.element_size()))
     out = torch.empty_like(q)
     _paged_decode_kernel[(num_seqs, num_kv_heads)](
-        q, k_cache, v_cache, block_tables, context_lens, out, scale,
+        q, k_cache, v_cache, block_tables, context_lens, out, scale, window or 2 ** 31 - 1,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         out.stride(0), out.stride(1), GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-        BLOCK_SIZE=block_size, TILE=max(tile_tokens, block_size), IEEE=q.dtype == torch.float32,
-        num_warps=num_warps)
+        BLOCK_SIZE=block_size, TILE=tile, IEEE=q.dtype == torch.float32,
+        SOFTCAP=float(softcap or 0.0), num_warps=num_warps)
     return out

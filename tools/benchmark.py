@@ -48,6 +48,8 @@ def engine_command(args) -> dict:
                                            "enable_block_reuse": not args.no_reuse},
                           tensor_parallel_size=args.tp, pipeline_parallel_size=args.pp)
     config.max_loras = max(config.max_loras, args.adapters)
+    if args.adapters:  # slots as wide as the adapters, as a deployment sized for them would have
+        config.max_lora_rank = args.lora_rank
     engine = LLMEngine(config)
     wl = synthetic(args.num_requests, args.input_len, args.output_len, engine.limits.vocab_size, args.seed,
                    args.ignore_eos, args.concurrency, args.request_rate, args.arrival)

@@ -1,14 +1,17 @@
 """Decode steps replayed from CUDA graphs, one graph per batch-size bucket.
 
-A decode-only step (every sequence adds one token, no LoRA, no beam block copies) is padded to
-the next bucket and replayed: one launch instead of hundreds of kernel launches from Python,
-which is what bounds small-batch decode. Inputs live in static buffers the graphs were captured
-on; padded rows write to a scratch KV block that no sequence owns and read one token of it.
+A decode-only step (every sequence adds one token, no beam block copies) is padded to the next
+bucket and replayed: one launch instead of hundreds of kernel launches from Python, which is what
+bounds small-batch decode. Inputs live in static buffers the graphs were captured on; padded rows
+write to a scratch KV block that no sequence owns and read one token of it. Where adapters live in
+LoRA slots, every bucket has a second graph with the slots' grouped GEMMs, whose row order and slot
+ends are static buffers too (padded rows take slot 0, which is zero).
 """
 from __future__ import annotations
 
 import torch
 
+from app.engine.lora import LoRASlots, SlotBatch, max_work_items, rows_per_block
 from app.engine.models.attention import AttentionMetadata
 
 
@@ -19,7 +22,7 @@ def bucket_sizes(max_batch_size: int) -> list[int]:
 
 class DecodeGraphs:
     def __init__(self, model, kv_caches: list[torch.Tensor], max_batch_size: int, max_blocks_per_seq: int,
-                 scratch_block: int, block_size: int, device: torch.device):
+                 scratch_block: int, block_size: int, device: torch.device, lora_slots: LoRASlots | None = None):
         self.sizes = bucket_sizes(max_batch_size)
         n = self.sizes[-1]
         self.scratch_block, self.scratch_slot = scratch_block, scratch_block * block_size
@@ -29,31 +32,44 @@ class DecodeGraphs:
         self.tables = torch.full((n, max_blocks_per_seq), scratch_block, dtype=torch.int32, device=device)
         self.lens = torch.ones(n, dtype=torch.int32, device=device)
         self.rows = torch.arange(n, device=device)  # which rows give logits: all of them
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.logits: dict[int, torch.Tensor] = {}
+        self.with_lora = lora_slots is not None
+        self.lora_slots = lora_slots
+        self.lora_order = torch.arange(n, device=device)
+        self.lora_items = torch.zeros(max_work_items(n, lora_slots.num_slots) if lora_slots else 1, 3,
+                                      dtype=torch.int32, device=device)  # all empty until a step sets them
+        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
+        self.logits: dict[tuple[int, bool], torch.Tensor] = {}
         pool = None
         for size in reversed(self.sizes):  # largest first, so the smaller ones fit in its memory pool
             meta = AttentionMetadata(self.slots[:size], size, self.tables[:size], None, [], self.lens[:size])
-            # Every tensor a graph reads must outlive it: views of the buffers above, never temporaries.
-            args = (self.input_ids[:size], self.positions[:size], kv_caches, meta, self.rows[:size])
-            stream = torch.cuda.Stream(device)
-            stream.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(stream):
-                model(*args)  # warm-up: Triton compiles, cuBLAS picks its kernels
-            torch.cuda.current_stream(device).wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.logits[size] = model(*args)
-            pool = graph.pool()
-            self.graphs[size] = graph
+            for adapted in (False, True) if self.with_lora else (False,):
+                # Every tensor a graph reads must outlive it: views of the buffers above, never temporaries.
+                lora = SlotBatch(lora_slots, self.lora_order[:size], self.lora_items[:self._items(size)],
+                                 rows_per_block(size)) if adapted else None
+                args = (self.input_ids[:size], self.positions[:size], kv_caches, meta, self.rows[:size], lora)
+                stream = torch.cuda.Stream(device)
+                stream.wait_stream(torch.cuda.current_stream(device))
+                with torch.cuda.stream(stream):
+                    model(*args)  # warm-up: Triton compiles, cuBLAS picks its kernels
+                torch.cuda.current_stream(device).wait_stream(stream)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self.logits[size, adapted] = model(*args)
+                pool = graph.pool()
+                self.graphs[size, adapted] = graph
         torch.cuda.synchronize(device)
+
+    def _items(self, size: int) -> int:
+        return max_work_items(size, self.lora_slots.num_slots)
 
     @property
     def max_batch_size(self) -> int:
         return self.sizes[-1]
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """Logits [B, vocab] of a decode-only step of B <= max_batch_size sequences."""
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, loras=None,
+            lora_rows: dict[str, list[int]] | None = None) -> torch.Tensor:
+        """Logits [B, vocab] of a decode-only step of B <= max_batch_size sequences; `lora_rows`
+        (adapter -> rows, resident in `loras`' slots) only where the graphs were captured with them."""
         b = input_ids.shape[0]
         size = next(s for s in self.sizes if s >= b)
         self.input_ids[:b].copy_(input_ids)
@@ -66,5 +82,9 @@ class DecodeGraphs:
             self.slots[b:size].fill_(self.scratch_slot)
             self.tables[b:size, 0].fill_(self.scratch_block)
             self.lens[b:size].fill_(1)
-        self.graphs[size].replay()
-        return self.logits[size][:b]
+        if lora_rows:  # padded rows have no adapter: slot 0
+            step = loras.batch(lora_rows, size, self._items(size))
+            self.lora_order[:size].copy_(step.order)
+            self.lora_items[:self._items(size)].copy_(step.items)
+        self.graphs[size, bool(lora_rows)].replay()
+        return self.logits[size, bool(lora_rows)][:b]

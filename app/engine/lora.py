@@ -61,20 +61,123 @@ class LoRABatch:
         return y
 
 
+class LoRASlots:
+    """CUDA: adapters in fixed device slots, one weight pair per adapted module holding every slot.
+
+    A [slots + 1, shards * R, in] (a merged linear's shards, q, k, v, stacked along the rank) and B
+    [slots + 1, out, R], R the largest rank; slot 0 is base-model rows, never computed. A module
+    costs two kernels (triton_lora.py) whatever adapters share the step, and only the slots the step
+    uses are read. The buffers never move: decode steps with adapters
+    replay from CUDA graphs, and loading an adapter is a copy into its slot, ordered on the stream
+    after the steps already queued."""
+
+    def __init__(self, model, num_slots: int, max_rank: int, projections: set[str]):
+        weight = next(model.parameters())
+        self.rank = max_rank
+        self.num_slots = num_slots
+        self.weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor, list[int]]] = {}
+        for module in model.modules():
+            key = getattr(module, "lora_key", None)
+            if key is None or key[1] not in projections:
+                continue
+            width = len(module.out_sizes) * self.rank
+            a = torch.zeros(num_slots + 1, width, module.weight.shape[1], dtype=weight.dtype, device=weight.device)
+            b = torch.zeros(num_slots + 1, sum(module.out_sizes), self.rank, dtype=weight.dtype, device=weight.device)
+            self.weights[key] = (a, b, module.offsets)
+        self._compile()
+
+    def _compile(self) -> None:
+        """Run the kernels once per module shape and row-block size, so that Triton compiles them at
+        start-up rather than in the first steps that carry an adapter."""
+        shapes = {(a.shape, tuple(offsets)): (a, b, offsets) for a, b, offsets in self.weights.values()}
+        for a, b, offsets in shapes.values():
+            for rows in (1, 257):  # the decode and the prefill block sizes
+                x = torch.zeros(rows, a.shape[2], dtype=a.dtype, device=a.device)
+                SlotBatch(self, *self._plan([0] * rows, a.device)).apply_weights(
+                    x, torch.zeros(rows, b.shape[1], dtype=a.dtype, device=a.device), a, b, offsets)
+
+    def load(self, slot: int, adapter: LoRAAdapter) -> None:
+        """Copy a folded adapter (this rank's; pinned on CUDA) into slot 1..num_slots; what it does
+        not adapt stays zero."""
+        for key, (a, b, offsets) in self.weights.items():
+            a[slot].zero_()
+            b[slot].zero_()
+            for shard, lora_a, lora_b in adapter.weights.get(key, ()):
+                rank = lora_a.shape[0]
+                a[slot, shard * self.rank:shard * self.rank + rank].copy_(lora_a, non_blocking=True)
+                b[slot, offsets[shard]:offsets[shard] + lora_b.shape[0], :rank].copy_(lora_b, non_blocking=True)
+
+    def batch(self, row_slots: list[int], device: torch.device, num_items: int | None = None) -> SlotBatch:
+        """The step's rows grouped by slot and cut into work items (on the host, where the slots are
+        known); `num_items` pads the items to a graph's fixed count."""
+        return SlotBatch(self, *self._plan(row_slots, device, num_items))
+
+    def _plan(self, row_slots: list[int], device: torch.device, num_items: int | None = None):
+        block_m = rows_per_block(len(row_slots))
+        order = sorted(range(len(row_slots)), key=row_slots.__getitem__)
+        counts = [0] * (self.num_slots + 1)
+        for slot in row_slots:
+            counts[slot] += 1
+        items, start = [], counts[0]  # slot 0's rows come first and take no work
+        for slot in range(1, self.num_slots + 1):
+            end = start + counts[slot]
+            items += [(slot, first, end) for first in range(start, end, block_m)]
+            start = end
+        items += [(0, 0, 0)] * ((num_items or len(items) or 1) - len(items))
+        return (torch.tensor(order).to(device, non_blocking=True),
+                torch.tensor(items, dtype=torch.int32).to(device, non_blocking=True), block_m)
+
+
+def rows_per_block(num_rows: int) -> int:
+    """Rows one LoRA kernel program takes: few in decode batches, more in prefill."""
+    return 16 if num_rows <= 256 else 64
+
+
+def max_work_items(num_rows: int, num_slots: int) -> int:
+    """The most work items a step of num_rows can have: what a graph's grid is sized for."""
+    return -(-num_rows // rows_per_block(num_rows)) + min(num_slots, num_rows)
+
+
+@dataclass
+class SlotBatch:
+    """One step's LoRA work over slots, on the device: `order` lists the step's rows grouped by slot,
+    `items` the (slot, first position, group end) blocks of at most `block_m` rows the kernels take.
+    Decode graphs capture it over static buffers."""
+
+    slots: LoRASlots
+    order: torch.Tensor  # [T] long
+    items: torch.Tensor  # [W, 3] int32
+    block_m: int
+
+    def apply(self, x: torch.Tensor, y: torch.Tensor, key: tuple[int, str], offsets: list[int]) -> torch.Tensor:
+        weights = self.slots.weights.get(key)
+        return y if weights is None else self.apply_weights(x, y, *weights)
+
+    def apply_weights(self, x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                      offsets: list[int]) -> torch.Tensor:
+        from app.engine.models.triton_lora import add_lora
+        return add_lora(x, y, a, b, offsets, self.order, self.items, self.block_m)
+
+
 class LoRACache:
     """Adapters by name: every registered one on the host, at most `device_slots` on the device
-    (least recently used evicted; an adapter the current step needs is never evicted)."""
+    (least recently used evicted; an adapter the current step needs is never evicted). On CUDA they
+    live in LoRASlots, which decode graphs capture; elsewhere each step stacks the adapters it uses
+    (LoRAStack)."""
 
     def __init__(self, device_slots: int, host_slots: int, max_rank: int, device: torch.device, dtype: torch.dtype,
-                 shapes: dict[str, tuple[int, int]], num_layers: int, tp_size: int = 1, tp_rank: int = 0):
+                 shapes: dict[str, tuple[int, int]], num_layers: int, tp_size: int = 1, tp_rank: int = 0,
+                 slots: LoRASlots | None = None):
         self.device_slots, self.host_slots, self.max_rank = device_slots, host_slots, max_rank
         self.tp_size, self.tp_rank = tp_size, tp_rank
         # What an adapter must fit: HF module -> full (unsharded) (in, out), and every layer of the
         # model (adapters name global layers, also on a pipeline stage that holds a few).
         self.shapes, self.num_layers = shapes, num_layers
         self.device, self.dtype = device, dtype
+        self.slots = slots
         self.host: OrderedDict[str, LoRAAdapter] = OrderedDict()
-        self.on_device: OrderedDict[str, LoRAAdapter] = OrderedDict()
+        # name -> its device copy (stacking) or its slot number (slots)
+        self.on_device: OrderedDict[str, LoRAAdapter | int] = OrderedDict()
         self.loads = self.evictions = self.hits = self.misses = 0
         self._stack: LoRAStack | None = None  # rebuilt only when the step's adapter set changes
         self._stacked: tuple[LoRAAdapter, ...] = ()
@@ -83,6 +186,8 @@ class LoRACache:
         """Register (or replace) an adapter once it has passed every check; a refused one changes nothing."""
         adapter = load_adapter(name, Path(path), self.max_rank, self.shapes, self.num_layers)
         adapter = adapter.shard(self.tp_size, self.tp_rank)
+        if self.slots is not None:
+            adapter = adapter.folded(self.dtype, pin=True)
         self.host[name] = adapter
         self.host.move_to_end(name)
         self.on_device.pop(name, None)  # a re-registered name takes the new weights
@@ -93,14 +198,23 @@ class LoRACache:
     def __contains__(self, name: str) -> bool:
         return name in self.host
 
-    def batch(self, rows_by_adapter: dict[str, list[int]], num_tokens: int) -> LoRABatch | None:
+    def batch(self, rows_by_adapter: dict[str, list[int]], num_tokens: int,
+              num_items: int | None = None) -> LoRABatch | SlotBatch | None:
+        """The step's LoRA work, its adapters made resident; `num_items`: a decode graph's fixed
+        count of slot work items."""
         if not rows_by_adapter:
             return None
         names = tuple(sorted(rows_by_adapter))
-        adapters = [self._resident(name, set(names)) for name in names]
+        resident = [self._resident(name, set(names)) for name in names]
+        if self.slots is not None:
+            row_slots = [0] * num_tokens  # 0: no adapter
+            for name, rows in rows_by_adapter.items():
+                for row in rows:
+                    row_slots[row] = self.on_device[name]
+            return self.slots.batch(row_slots, self.device, num_items)
         # A reloaded adapter is a new object: restack. Holding the old ones keeps `is` meaningful.
-        if len(adapters) != len(self._stacked) or any(a is not b for a, b in zip(adapters, self._stacked)):
-            self._stack, self._stacked = LoRAStack.build(adapters), tuple(adapters)
+        if len(resident) != len(self._stacked) or any(a is not b for a, b in zip(resident, self._stacked)):
+            self._stack, self._stacked = LoRAStack.build(resident), tuple(resident)
         stack = self._stack
         selector = torch.zeros(num_tokens, len(names) * stack.rank, device=self.device, dtype=self.dtype)
         for i, name in enumerate(names):
@@ -108,7 +222,7 @@ class LoRACache:
             selector[rows, i * stack.rank:(i + 1) * stack.rank] = stack.scalings[i]
         return LoRABatch(stack, selector)
 
-    def _resident(self, name: str, needed: set[str]) -> LoRAAdapter:
+    def _resident(self, name: str, needed: set[str]) -> LoRAAdapter | int:
         if name in self.on_device:
             self.hits += 1
             self.on_device.move_to_end(name)
@@ -120,6 +234,11 @@ class LoRACache:
             if victim not in needed:
                 del self.on_device[victim]
                 self.evictions += 1
-        self.on_device[name] = self.host[name].to(self.device, self.dtype)
+        if self.slots is None:
+            self.on_device[name] = self.host[name].to(self.device, self.dtype)
+        else:
+            slot = min(set(range(1, self.device_slots + 1)) - set(self.on_device.values()))
+            self.slots.load(slot, self.host[name])
+            self.on_device[name] = slot
         self.loads += 1
         return self.on_device[name]

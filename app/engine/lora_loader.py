@@ -44,6 +44,15 @@ class LoRAAdapter:
                  for key, shards in self.weights.items()}
         return LoRAAdapter(self.name, self.rank, self.scaling, moved)
 
+    def folded(self, dtype: torch.dtype, pin: bool = False) -> LoRAAdapter:
+        """On the host with the scaling folded into B (scaling 1), what LoRA slots hold; `pin`:
+        page-locked, so that copies to the device do not wait for the work already queued there."""
+        def host(t: torch.Tensor) -> torch.Tensor:
+            t = t.to(dtype)
+            return t.pin_memory() if pin else t
+        moved = {key: [(s, host(a), host(b * self.scaling)) for s, a, b in shards] for key, shards in self.weights.items()}
+        return LoRAAdapter(self.name, self.rank, 1.0, moved)
+
 
 FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")  # the safetensors dtypes a LoRA weight may have
 # PEFT's tensor names: [prefix.]layers.<i>.<self_attn|mlp>.<module>.lora_<A|B>.weight

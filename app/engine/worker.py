@@ -18,7 +18,7 @@ import torch
 
 from app.engine.config import EngineConfig
 from app.engine.cuda_graphs import DecodeGraphs
-from app.engine.lora import LoRACache
+from app.engine.lora import LoRACache, LoRASlots
 from app.engine.model_loader import load_model
 from app.engine.models.attention import AttentionMetadata, PrefillChunk, VarlenPrefill, varlen_prefill_supported
 from app.engine.parallel import SINGLE, Distributed, ParallelLayout
@@ -64,8 +64,12 @@ class ModelShard:
         self.model = load_model(model_dir, self.dtype, device, max_seq_len, config.load_format, self.layout, tp)
         self.block_size = config.kv_cache_config.tokens_per_block
         cfg = self.model.config
+        shapes = self.model.lora_shapes(cfg)
+        # On CUDA adapters live in fixed slots, reserved before the KV pool takes what is free.
+        slots = LoRASlots(self.model, config.max_loras, config.max_lora_rank,
+                          {self.model.PROJECTIONS[p][0] for p in shapes}) if device.type == "cuda" else None
         self.loras = LoRACache(config.max_loras, config.max_cpu_loras, config.max_lora_rank, device, self.dtype,
-                               self.model.lora_shapes(cfg), cfg.num_layers, self.layout.tp_size, self.layout.tp_rank)
+                               shapes, cfg.num_layers, self.layout.tp_size, self.layout.tp_rank, slots)
         # Pipeline stages pass activations between graphs; only single-stage decode is captured.
         capture = (device.type == "cuda" and config.cuda_graphs and self.layout.pp_size == 1
                    and self.model.graph_capturable())
@@ -87,7 +91,8 @@ class ModelShard:
     def _capture(self, config: EngineConfig, max_seq_len: int) -> DecodeGraphs:
         num_blocks = self.kv_cache.shape[2] - 1
         return DecodeGraphs(self.model, list(self.kv_cache.unbind(0)), config.max_batch_size,
-                            -(-max_seq_len // self.block_size), num_blocks, self.block_size, self.device)
+                            -(-max_seq_len // self.block_size), num_blocks, self.block_size, self.device,
+                            self.loras.slots)
 
     def _graph_bytes(self, config: EngineConfig, max_seq_len: int) -> int:
         """Device memory the decode graphs take (their pool and the activations of their warm-up),
@@ -141,9 +146,10 @@ class ModelShard:
         if batch.pending is not None:
             pending = batch.pending.to(self.device, non_blocking=True)
             input_ids[pending[0]] = previous_tokens[pending[1]]
-        decode_only = meta.num_decodes == len(input_ids) == len(logits_indices) and not batch.lora_rows
-        if self.graphs is not None and decode_only and len(input_ids) <= self.graphs.max_batch_size:
-            return self.graphs.run(input_ids, positions, meta)
+        decode_only = meta.num_decodes == len(input_ids) == len(logits_indices)
+        if (self.graphs is not None and decode_only and len(input_ids) <= self.graphs.max_batch_size
+                and (not batch.lora_rows or self.graphs.with_lora)):
+            return self.graphs.run(input_ids, positions, meta, self.loras, batch.lora_rows)
         kv_caches = list(self.kv_cache.unbind(0))
         return self.model(input_ids, positions, kv_caches, meta, logits_indices,
                           self.loras.batch(batch.lora_rows, len(input_ids)), hidden)

@@ -51,6 +51,16 @@ bench_step 420 llama8b-1000 --model configs/shapes/llama-3.1-8b --num-requests 5
 step 420 llama8b-1000-fraction "${bench[@]}" --model configs/shapes/llama-3.1-8b --num-requests 512 \
      --concurrency 512 --max-batch-size 512 --max-num-tokens 8192 --kv-tokens 0 --input-len 1000 --output-len 1000 \
      --json "$out/llama8b-1000-fraction.json"
+# Multi-LoRA: the base model, then requests spread over K random adapters of one rank on all seven
+# projections, on the same engine with the same prompts (slots as wide as the rank).
+lora_step() {  # name adapters rank concurrency requests
+  bench_step 420 "$1" --model configs/shapes/llama-3.1-8b --num-requests "$5" --concurrency "$4" \
+      --max-batch-size 256 --input-len 128 --output-len 128 --adapters "$2" --lora-rank "$3"
+}
+lora_step lora-8x16 8 16 256 512
+lora_step lora-64x16 64 16 256 512
+lora_step lora-8x64 8 64 256 512
+lora_step lora-b1 1 16 1 4
 # Where a decode step's time goes (kernels by GPU time), over BASE too where it is set (copy
 # tools/bench/profile_steps.py into a BASE tree older than it).
 profile_step() {  # name model batch

@@ -1,7 +1,10 @@
 """The engine stage: one replica owns one engine backend (torch, trtllm or triton) and streams its outputs."""
 from __future__ import annotations
 
+import asyncio
+
 from ray import serve
+from ray.experimental import internal_kv
 
 from app.adapters import AdapterPolicy
 from app.backends import create_backend
@@ -14,6 +17,10 @@ from deployments.metrics import EngineMetrics
 from deployments.workers import PlacementGroupLauncher, placement_of_this_process
 
 MAX_ADAPTERS_PER_REPLICA = 64  # what Serve's multiplexed routing tracks per replica
+# Adapters that requests brought by path, for every replica of the app: a later request that names
+# one alone and lands where it was never loaded (a restarted or new replica, a routing fallback)
+# loads it from here. Ray's GCS key-value store outlives replicas and costs no process of its own.
+ADAPTER_PATHS = "llm-serve-adapters"
 
 
 @serve.deployment(name="Engine")
@@ -26,6 +33,8 @@ class EngineDeployment:
         if config.world_size > 1 and config.backend == "torch":
             self.launcher = PlacementGroupLauncher(config.device)
         self.backend = create_backend(config, adapters, self.launcher)
+        self.app_name = serve.get_replica_context().app_name
+        self.bound = set(adapters)  # names this replica loaded, or will load, from a path
         self.outbound = Outbound(merge_outputs, config.serve.engine.stream_interval_ms)
         self.metrics = EngineMetrics(config.name, self.backend.stats)
 
@@ -34,9 +43,22 @@ class EngineDeployment:
         """Send the request's RequestOutput deltas to `reply_to` (app/channel.py) and return once the
         last is written. Cancelling this call, or the consumer's death, aborts the request."""
         if adapter is not None:
+            if adapter.path is None and adapter.name not in self.bound:
+                adapter = AdapterRef(adapter.name, await self._recorded_path(adapter.name), adapter.field)
             await self._mark_resident(serve.get_multiplexed_model_id())
         outputs = self.backend.generate(request_id, prompt_token_ids, params, adapter)
         await self.outbound.stream(reply_to, outputs)
+        if adapter is not None and adapter.path is not None and adapter.name not in self.bound:
+            self.bound.add(adapter.name)  # it loaded: other replicas may load it by name from now on
+            await asyncio.to_thread(internal_kv._internal_kv_put, self._key(adapter.name), adapter.path,
+                                    namespace=ADAPTER_PATHS)
+
+    async def _recorded_path(self, name: str) -> str | None:
+        path = await asyncio.to_thread(internal_kv._internal_kv_get, self._key(name), namespace=ADAPTER_PATHS)
+        return path.decode() if path is not None else None
+
+    def _key(self, name: str) -> str:
+        return f"{self.app_name}/{name}"
 
     @serve.multiplexed(max_num_models_per_replica=MAX_ADAPTERS_PER_REPLICA)
     async def _mark_resident(self, name: str) -> str:

@@ -132,6 +132,22 @@ def test_replica_killed_mid_stream_ends_the_stream_and_is_replaced(ops, deployme
     print(f"{deployment}: stream ended {ended_after:.1f} s after the kill; new requests served after {recovered:.1f} s")
 
 
+def test_an_adapter_brought_by_path_survives_its_engine_replica(ops, lora_root):
+    """A request brings an adapter by path, later ones name it alone. The engine replica that loaded
+    it dies and Serve starts another, which never saw the path: the name alone still serves the
+    adapter, loaded from the path the first replica recorded (not "not loaded")."""
+    body = {"text_input": "Write a short greeting:", "max_tokens": 12, "lora_task_id": 4242}
+    first = ops.post("/v2/models/ensemble/generate", json={**body, "lora_path": str(lora_root / "poet")})
+    assert first.status_code == 200, first.text
+    killed = time.monotonic()
+    ray.kill(_replica("Engine"), no_restart=True)
+    _recover(ops, killed)
+    again = ops.post("/v2/models/ensemble/generate", json=body)
+    assert again.status_code == 200, again.text
+    assert again.json()["text_output"] == first.json()["text_output"]
+    assert ops.post("/v2/models/ensemble/generate", json={**body, "lora_task_id": 4243}).status_code == 400
+
+
 def _engine_stats() -> dict:
     from ray import serve
 

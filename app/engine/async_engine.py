@@ -61,6 +61,8 @@ class _Stream:
                 item = await self.queue.get()
                 if isinstance(item, BaseException):
                     raise item
+                if isinstance(item.error, InvalidRequestError):
+                    raise item.error
                 if item.error is not None:
                     raise EngineStepError(item.error)
                 finished = item.finished

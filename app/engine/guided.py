@@ -1,15 +1,20 @@
 """Guided decoding: output held to a JSON schema, any JSON, a regex or an EBNF grammar (xgrammar).
 
-A request's `Guide` is compiled once per distinct guide (xgrammar's compiler caches by content,
-bounded) into a grammar; each of its sequences walks that grammar with its own matcher. Before a
-step samples, the matcher's token bitmask removes every token the grammar does not allow next;
-after, the sampled token advances the matcher. A guided request therefore needs its previous
-token on the host before the next step samples: it steps without overlap, as penalties do.
+A request's `Guide` is parsed when it arrives (a guide that does not parse is a 400 at once), then
+compiled against the vocabulary on a thread of its own, once per distinct guide (xgrammar's
+compiler caches by content, bounded): however long a hostile guide takes, the engine loop never
+waits for it, and a compile past COMPILE_TIMEOUT_S fails its request alone. Each of the request's
+sequences walks the grammar with its own matcher. Before a step samples, the matcher's token
+bitmask removes every token the grammar does not allow next; after, the sampled token advances
+the matcher. A guided request therefore needs its previous token on the host before the next step
+samples: it steps without overlap, as penalties do.
 """
 from __future__ import annotations
 
 import re
 import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +24,7 @@ from app.engine.errors import InvalidRequestError
 
 KINDS = ("json", "json_schema", "regex", "ebnf")
 CACHE_BYTES = 256 << 20  # compiled grammars kept (xgrammar evicts the least recently used)
+COMPILE_TIMEOUT_S = 10.0  # from arrival, queueing behind other compiles included
 
 
 @dataclass(frozen=True)
@@ -38,6 +44,9 @@ class GrammarCompiler:
         self.model_dir, self.vocab_size, self.eos_ids = model_dir, vocab_size, eos_ids
         self._compiler = None
         self._lock = threading.Lock()
+        self.timeout_s = COMPILE_TIMEOUT_S
+        # One thread: a slow guide delays other guided requests (each within its timeout), never the loop.
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-compile")
 
     def _get(self):
         with self._lock:
@@ -51,28 +60,47 @@ class GrammarCompiler:
                 self._compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_limit_bytes=CACHE_BYTES)
             return self._compiler
 
-    def matcher(self, guide: Guide) -> GrammarMatcher:
-        """A fresh matcher at the start of `guide`; InvalidRequestError naming its field when the
-        guide does not compile."""
+    def check(self, guide: Guide):
+        """The guide parsed (no vocabulary involved: fast); InvalidRequestError naming its field
+        when it does not parse."""
         import xgrammar
 
         if guide.kind not in KINDS:
             raise InvalidRequestError(guide.field, f"guide type {guide.kind!r} is not supported ({', '.join(KINDS)})")
-        compiler = self._get()
-        try:
+        with _compile_errors(guide):
             if guide.kind == "json":
-                grammar = compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
-            elif guide.kind == "json_schema":
-                grammar = compiler.compile_json_schema(guide.spec, any_whitespace=False)
-            elif guide.kind == "regex":
-                grammar = compiler.compile_regex(guide.spec)
-            else:
-                grammar = compiler.compile_grammar(guide.spec)
-        except Exception as exc:  # noqa: BLE001 - xgrammar raises RuntimeError/ValueError with its reason
-            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            reason = re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", reason)[:300]  # xgrammar's time and source line
-            raise InvalidRequestError(guide.field, f"does not compile as {guide.kind}: {reason}") from None
-        return GrammarMatcher(xgrammar.GrammarMatcher(grammar), self.vocab_size)
+                return xgrammar.Grammar.from_json_schema('{"type": "object"}', any_whitespace=False)
+            if guide.kind == "json_schema":
+                return xgrammar.Grammar.from_json_schema(guide.spec, any_whitespace=False)
+            if guide.kind == "regex":
+                return xgrammar.Grammar.from_regex(guide.spec)
+            return xgrammar.Grammar.from_ebnf(guide.spec)
+
+    def compile(self, guide: Guide) -> Future:
+        """Check the guide now, compile it on the compile thread: a future of its compiled grammar."""
+        grammar = self.check(guide)
+        return self._pool.submit(self._compile, guide, grammar)
+
+    def _compile(self, guide: Guide, grammar):
+        with _compile_errors(guide):
+            return self._get().compile_grammar(grammar)
+
+    def matcher(self, compiled) -> GrammarMatcher:
+        """A fresh matcher at the start of a compiled grammar."""
+        import xgrammar
+
+        return GrammarMatcher(xgrammar.GrammarMatcher(compiled), self.vocab_size)
+
+
+@contextmanager
+def _compile_errors(guide: Guide):
+    """xgrammar's RuntimeError/ValueError as an InvalidRequestError naming the guide's field."""
+    try:
+        yield
+    except Exception as exc:  # noqa: BLE001 - xgrammar raises RuntimeError/ValueError with its reason
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        reason = re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", reason)[:300]  # xgrammar's time and source line
+        raise InvalidRequestError(guide.field, f"does not compile as {guide.kind}: {reason}") from None
 
 
 class GrammarMatcher:

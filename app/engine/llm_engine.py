@@ -1,6 +1,7 @@
 """The synchronous engine: requests in, one scheduled model step at a time, token deltas out."""
 from __future__ import annotations
 
+import concurrent.futures
 import itertools
 import logging
 import time
@@ -68,6 +69,7 @@ class LLMEngine:
         self.eos_ids = frozenset(model_cfg.eos_token_ids)
         self.grammars = GrammarCompiler(self.model_dir, model_cfg.vocab_size, tuple(sorted(self.eos_ids)))
         self.requests: dict[str, Request] = {}
+        self.compiling: dict[str, tuple[concurrent.futures.Future, float]] = {}  # guided: grammar, deadline
         self.num_steps = 0
         self._last_context_tokens = 0
         self._last_generation_requests = 0
@@ -92,18 +94,44 @@ class LLMEngine:
                                                  "(with its path) and then send its name")
         arrival_ns = arrival_ns or time.time_ns()
         num_seqs = 1 if params.beam_width > 1 else params.n
-        # Compiled (or found in the cache) before anything is queued: a guide that fails is a 400.
-        matchers = [self.grammars.matcher(params.guide) for _ in range(num_seqs)] if params.guide else None
+        # A guide that does not parse is a 400 now; it compiles off this thread, the request waiting.
+        compiling = self.grammars.compile(params.guide) if params.guide else None
         seqs = [Sequence(next(self._seq_ids), request_id, i, prompt_token_ids, params, self.eos_ids,
                          self._generator(params, i), adapter_id, arrival_ns) for i in range(num_seqs)]
-        for seq, matcher in zip(seqs, matchers or ()):
-            seq.grammar = matcher
         beam = BeamGroup(seqs[0], params.beam_width) if params.beam_width > 1 else None
         # A beam search's sequences are its group's: the list grows as beams fork.
         request = Request(request_id, params, beam.seqs if beam else seqs, beam, arrival_ns)
         self.requests[request_id] = request
+        if compiling is not None:
+            self.compiling[request_id] = (compiling, time.monotonic() + self.grammars.timeout_s)
+            return
         for seq in seqs:
             self.scheduler.add(seq)
+
+    def _admit_compiled(self) -> list[RequestOutput]:
+        """Guided requests whose grammar is ready join the scheduler; one whose guide failed to
+        compile, or did not in time (GrammarCompiler.timeout_s), ends with that error. Waits a moment for a
+        compile when nothing else is there to run, rather than spin."""
+        if not self.scheduler.has_work() and self._in_flight is None:
+            concurrent.futures.wait([f for f, _ in self.compiling.values()], timeout=0.01,
+                                    return_when=concurrent.futures.FIRST_COMPLETED)
+        failed = []
+        for request_id, (future, deadline) in list(self.compiling.items()):
+            if not future.done() and time.monotonic() < deadline:
+                continue
+            request = self.requests[request_id]
+            error = future.exception() if future.done() else InvalidRequestError(
+                request.params.guide.field, f"did not compile within {self.grammars.timeout_s:g} s")
+            if error is None:
+                del self.compiling[request_id]
+                for seq in request.seqs:
+                    seq.grammar = self.grammars.matcher(future.result())
+                    self.scheduler.add(seq)
+            else:
+                output = self.abort_request(request_id)
+                output.error = error
+                failed.append(output)
+        return failed
 
     def add_lora(self, name: str, path) -> None:
         """Register (or replace) an adapter; InvalidRequestError says what is wrong with it."""
@@ -121,9 +149,10 @@ class LLMEngine:
         if request is None:
             return None
         request.aborted = True
+        queued = self.compiling.pop(request_id, None) is None  # one still compiling never reached the scheduler
         for seq in request.seqs:
             seq.drop_pending()  # a token still in flight is not output
-            if not seq.is_finished:
+            if queued and not seq.is_finished:
                 self.scheduler.remove(seq)
             if seq.finish_reason is None:
                 seq.finish_reason = FinishReason.ABORT
@@ -142,8 +171,9 @@ class LLMEngine:
         their KV blocks are freed and their outputs carry the error, while waiting requests and the
         engine go on. Only MAX_FAILED_STEPS failures in a row (a lost device, not a bad request)
         propagate, for the serving layer to replace the engine."""
+        failed = self._admit_compiled() if self.compiling else []
         try:
-            outputs = self._step()
+            outputs = failed + self._step()
         except Exception as exc:  # noqa: BLE001 - re-raised once failures repeat
             self.failed_steps += 1
             if self.failed_steps >= MAX_FAILED_STEPS:

@@ -46,7 +46,9 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics | None = None  # set on the final output
-    error: str | None = None  # set when the request failed inside the engine
+    # Set when the request failed inside the engine: an InvalidRequestError where it was the request's
+    # fault (a guide that did not compile), else a sentence.
+    error: str | Exception | None = None
 
 
 @dataclass

@@ -85,3 +85,43 @@ def test_a_guide_that_does_not_compile_is_refused_by_its_field(engine, guide, me
 def test_beam_search_with_a_guide_is_refused(engine):
     with pytest.raises(InvalidRequestError, match="does not combine with beam search"):
         engine.add_request("beams", [1, 2, 3], SamplingParams(max_tokens=4, beam_width=2, guide=Guide("json")))
+
+
+def test_a_slow_compile_never_holds_up_the_engine(engine, monkeypatch):
+    """Guides compile off the engine loop: while one compiles (held here until the test lets it
+    go), unguided requests step on; a guide past its compile time limit fails alone, naming its
+    field, and the engine is left with nothing of it."""
+    import threading
+
+    from app.engine.llm_engine import merge_outputs
+
+    release = threading.Event()
+    compile_now = engine.grammars._compile
+    monkeypatch.setattr(engine.grammars, "_compile", lambda *a: release.wait(30) and compile_now(*a))
+    guide = Guide("regex", "[a-z]{1,20}", "guided_regex")
+    engine.add_request("guided", [1, 2, 3], SamplingParams(max_tokens=4, temperature=0.0, guide=guide))
+    engine.add_request("plain", [1, 2, 3], SamplingParams(max_tokens=4, temperature=0.0))
+    merged = {}
+
+    def step():
+        for out in engine.step():
+            merged[out.request_id] = merge_outputs(merged.get(out.request_id), out)
+    while "plain" not in merged or not merged["plain"].finished:
+        step()
+    assert "guided" in engine.compiling and "guided" not in merged
+    release.set()
+    while engine.has_unfinished_requests():
+        step()
+    assert merged["guided"].error is None and len(merged["guided"].outputs[0].token_ids) == 4
+
+    release.clear()
+    monkeypatch.setattr(engine.grammars, "timeout_s", 0.05)
+    engine.add_request("late", [1, 2, 3], SamplingParams(max_tokens=4, guide=Guide("regex", "[0-9]{1,9}")))
+    failed = []
+    while engine.has_unfinished_requests():
+        failed += engine.step()
+    release.set()
+    assert [out.request_id for out in failed] == ["late"]
+    error = failed[0].error
+    assert isinstance(error, InvalidRequestError) and error.field == "guided_decoding"
+    assert error.message == "did not compile within 0.05 s" and not engine.compiling

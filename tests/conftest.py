@@ -89,6 +89,15 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int, **kwargs) -> list[i
     return out[:-1] if out and out[-1] in eos else out
 
 
+def hf_greedy_logprobs(model, prompt: list[int], max_new_tokens: int, pad_token_id: int) -> tuple[list[int], list[float]]:
+    """transformers' greedy tokens and the logprob of each (log-softmax of its step's logits)."""
+    with torch.inference_mode():
+        ref = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
+                             output_logits=True, return_dict_in_generate=True, pad_token_id=pad_token_id)
+    tokens = ref.sequences[0, len(prompt):].tolist()
+    return tokens, [torch.log_softmax(step[0].float(), -1)[t].item() for step, t in zip(ref.logits, tokens)]
+
+
 def random_prompts(n: int, low: int, high: int, vocab: int, seed: int = 0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(low, high + 1, (n,), generator=g).tolist()

@@ -1,9 +1,8 @@
 """Greedy outputs and logprobs equal transformers' own generate, under every scheduling regime."""
 import pytest
-import torch
 
 from app.engine import SamplingParams, SchedulerPolicy
-from tests.conftest import hf_greedy, make_engine, random_prompts, run_staggered
+from tests.conftest import hf_greedy, hf_greedy_logprobs, make_engine, random_prompts, run_staggered
 
 GREEDY = SamplingParams(max_tokens=20, temperature=0.0)
 
@@ -81,13 +80,9 @@ def test_logprobs_match_transformers(tiny_llama_dir, tiny_hf):
     prompt = random_prompts(1, 12, 12, vocab=256, seed=5)[0]
     engine = make_engine(tiny_llama_dir)
     out = engine.generate([prompt], SamplingParams(max_tokens=10, temperature=0.0, logprobs=True))[0].outputs[0]
-    with torch.inference_mode():
-        ref = tiny_hf.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False, output_logits=True,
-                               return_dict_in_generate=True, pad_token_id=1)
-    tokens = ref.sequences[0, len(prompt):]
-    ref_logprobs = [torch.log_softmax(step[0].float(), -1)[t].item() for step, t in zip(ref.logits, tokens)]
+    tokens, ref_logprobs = hf_greedy_logprobs(tiny_hf, prompt, 10, pad_token_id=1)
     n = len(out.token_ids)
-    assert out.token_ids == tokens[:n].tolist()
+    assert out.token_ids == tokens[:n]
     assert out.logprobs == pytest.approx(ref_logprobs[:n], abs=1e-4)
     assert out.cumulative_logprob == pytest.approx(sum(ref_logprobs[:n]), abs=1e-3)
 

@@ -4,7 +4,7 @@ import torch
 
 from app.engine import SamplingParams
 from app.engine.model_loader import resolve_model_dir
-from tests.conftest import hf_greedy, make_engine, random_prompts
+from tests.conftest import hf_greedy, hf_greedy_logprobs, make_engine, random_prompts
 
 SMALL = dict(vocab_size=200, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.2, eos_token_id=1)
@@ -82,13 +82,9 @@ def test_gemma2_logprobs_match_transformers(tmp_path):
     prompt = random_prompts(1, 40, 40, vocab=200, seed=5)[0]
     out = make_engine(tmp_path).generate([prompt], SamplingParams(max_tokens=12, temperature=0.0,
                                                                   logprobs=True))[0].outputs[0]
-    with torch.inference_mode():
-        ref = model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, output_logits=True,
-                             return_dict_in_generate=True, pad_token_id=0)
-    tokens = ref.sequences[0, len(prompt):]
-    ref_logprobs = [torch.log_softmax(step[0].float(), -1)[t].item() for step, t in zip(ref.logits, tokens)]
+    tokens, ref_logprobs = hf_greedy_logprobs(model, prompt, 12, pad_token_id=0)
     n = len(out.token_ids)
-    assert n > 0 and out.token_ids == tokens[:n].tolist()
+    assert n > 0 and out.token_ids == tokens[:n]
     assert out.logprobs == pytest.approx(ref_logprobs[:n], abs=1e-4)
 
 

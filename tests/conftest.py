@@ -98,6 +98,23 @@ def hf_greedy_logprobs(model, prompt: list[int], max_new_tokens: int, pad_token_
     return tokens, [torch.log_softmax(step[0].float(), -1)[t].item() for step, t in zip(ref.logits, tokens)]
 
 
+async def leave_a_stream_early(engine, prompt: list[int]) -> bool:
+    """Open a long stream on an async engine and leave it after its first output: whether the
+    engine then holds no request and no KV block within 4 s (leaving must abort at once)."""
+    import asyncio
+
+    stream = engine.generate("gone", prompt, SamplingParams(max_tokens=400, ignore_eos=True))
+    async for _ in stream:
+        break
+    await stream.aclose()
+    for _ in range(200):
+        stats = engine.stats()
+        if stats.num_running == 0 and stats.used_blocks == 0:
+            return True
+        await asyncio.sleep(0.02)
+    return False
+
+
 def random_prompts(n: int, low: int, high: int, vocab: int, seed: int = 0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(low, high + 1, (n,), generator=g).tolist()

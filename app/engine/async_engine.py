@@ -72,6 +72,22 @@ class _Stream:
                 abort()
 
 
+async def stream_request(engine, request_id: str, submit: Callable[[], None]) -> AsyncIterator[RequestOutput]:
+    """Both engines' generate (this loop thread's and EngineProcess'): register the request's stream
+    (one per id in flight), `submit` its ADD command, yield its outputs; leaving early aborts it at
+    once. Submitted outside the lock: a loop that dies after the stream is registered fails it."""
+    stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+    with engine._lock:
+        engine._raise_if_dead()
+        if request_id in engine._streams:
+            raise InvalidRequestError("request_id", f"{request_id!r} is already in flight")
+        engine._streams[request_id] = stream
+    submit()
+    async with aclosing(stream.outputs(lambda: engine.abort(request_id))) as outputs:
+        async for item in outputs:
+            yield item
+
+
 class AsyncLLMEngine:
     def __init__(self, config: EngineConfig, engine: LLMEngine | None = None, step_timeout_s: float = 60.0):
         self.engine = engine or LLMEngine(config)
@@ -92,16 +108,9 @@ class AsyncLLMEngine:
         """Yield the request's outputs as they are produced; the last has finished=True.
         Raises InvalidRequestError before the first output; leaving the iteration early aborts."""
         validate_request(prompt_token_ids, params, self.engine.limits)
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
-        with self._lock:
-            self._raise_if_dead()
-            if request_id in self._streams:
-                raise InvalidRequestError("request_id", f"{request_id!r} is already in flight")
-            self._streams[request_id] = stream
-            self._commands.put((Command.ADD, (request_id, prompt_token_ids, params, adapter_id, time.time_ns())))
-        async with aclosing(stream.outputs(lambda: self.abort(request_id))) as outputs:  # leaving aborts at once
-            async for item in outputs:
-                yield item
+        command = (Command.ADD, (request_id, prompt_token_ids, params, adapter_id, time.time_ns()))
+        async for item in stream_request(self, request_id, lambda: self._commands.put(command)):
+            yield item
 
     async def add_lora(self, name: str, path: str) -> None:
         """Register an adapter on the loop thread (the only one touching the engine)."""

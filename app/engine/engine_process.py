@@ -22,11 +22,10 @@ import multiprocessing
 import threading
 import time
 from collections.abc import AsyncIterator
-from contextlib import aclosing
 
-from app.engine.async_engine import STATS_INTERVAL_S, Command, _Stream
+from app.engine.async_engine import STATS_INTERVAL_S, Command, _Stream, stream_request
 from app.engine.config import EngineConfig
-from app.engine.errors import EngineDeadError, InvalidRequestError
+from app.engine.errors import EngineDeadError
 from app.engine.outputs import EngineStats
 from app.engine.sampling_params import SamplingParams, validate_request
 
@@ -76,16 +75,9 @@ class EngineProcess:
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        adapter_id: str | None = None) -> AsyncIterator:
         validate_request(prompt_token_ids, params, self.limits)
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
-        with self._lock:
-            self._raise_if_dead()
-            if request_id in self._streams:
-                raise InvalidRequestError("request_id", f"{request_id!r} is already in flight")
-            self._streams[request_id] = stream
-        self._send((Command.ADD, (request_id, prompt_token_ids, params, adapter_id, time.time_ns())))
-        async with aclosing(stream.outputs(lambda: self.abort(request_id))) as outputs:  # leaving aborts at once
-            async for item in outputs:
-                yield item
+        command = (Command.ADD, (request_id, prompt_token_ids, params, adapter_id, time.time_ns()))
+        async for item in stream_request(self, request_id, lambda: self._send(command)):
+            yield item
 
     async def add_lora(self, name: str, path: str) -> None:
         done: concurrent.futures.Future = concurrent.futures.Future()

@@ -4,7 +4,7 @@ import asyncio
 import pytest
 
 from app.engine import AsyncLLMEngine, EngineConfig, EngineDeadError, InvalidRequestError, SamplingParams
-from tests.conftest import make_engine, random_prompts
+from tests.conftest import leave_a_stream_early, make_engine, random_prompts
 
 PROMPTS = random_prompts(4, 5, 30, vocab=256, seed=21)
 
@@ -37,19 +37,7 @@ def test_concurrent_streams_equal_offline_generate(async_engine, tiny_llama_dir)
 
 
 def test_leaving_a_stream_aborts_and_frees_blocks(async_engine):
-    async def main():
-        stream = async_engine.generate("gone", PROMPTS[0], SamplingParams(max_tokens=400, ignore_eos=True))
-        async for _ in stream:
-            break
-        await stream.aclose()
-        for _ in range(100):
-            stats = async_engine.stats()
-            if stats.num_running == 0 and stats.used_blocks == 0:
-                return True
-            await asyncio.sleep(0.02)
-        return False
-
-    assert asyncio.run(main())
+    assert asyncio.run(leave_a_stream_early(async_engine, PROMPTS[0]))
 
 
 def test_invalid_request_raises_before_streaming(async_engine):

@@ -8,7 +8,7 @@ import pytest
 
 from app.engine import EngineConfig, EngineDeadError, InvalidRequestError, SamplingParams
 from app.engine.engine_process import EngineProcess
-from tests.conftest import make_engine, random_prompts
+from tests.conftest import leave_a_stream_early, make_engine, random_prompts
 
 PROMPTS = random_prompts(4, 5, 30, vocab=256, seed=21)
 
@@ -43,18 +43,9 @@ def test_streams_equal_offline_generate(process_engine, tiny_llama_dir):
 
 def test_leaving_aborts_and_bad_requests_fail_alone(process_engine):
     async def main():
-        stream = process_engine.generate("gone", PROMPTS[0], SamplingParams(max_tokens=400, ignore_eos=True))
-        async for _ in stream:
-            break
-        await stream.aclose()
         with pytest.raises(InvalidRequestError, match="top_k"):
             await _collect(process_engine, "bad", PROMPTS[0], SamplingParams(top_k=2 ** 63))
-        for _ in range(200):
-            stats = process_engine.stats()
-            if stats.num_running == 0 and stats.used_blocks == 0:
-                return True
-            await asyncio.sleep(0.02)
-        return False
+        return await leave_a_stream_early(process_engine, PROMPTS[0])
 
     assert asyncio.run(main()) and process_engine.healthy
 

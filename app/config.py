@@ -143,6 +143,8 @@ class ServiceConfig(_Strict):
                                 "words, one request may send")
     max_stop_word_len: int = Field(EngineConfig.max_stop_word_len, ge=1, description="longest stop or bad word "
                                    "(characters as text, tokens as ids)")
+    max_logprobs: int = Field(EngineConfig.max_logprobs, ge=0, description="most top_logprobs (likeliest tokens "
+                              "returned with each output token) a request may ask for")
     api_key: str | None = Field(None, description="clients send 'Authorization: Bearer <key>' on every route "
                                 "but health; the LLM_SERVE_API_KEY environment variable sets it too")
     max_request_bytes: int = Field(1 << 20, ge=1024, description="larger request bodies get 413")

@@ -1,7 +1,10 @@
 """Text <-> token ids: the tokenizer, chat templates, and an incremental, UTF-8-safe detokenizer."""
 from __future__ import annotations
 
+import re
 from pathlib import Path
+
+BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte fallback: one raw byte
 
 
 class Tokenizer:
@@ -13,6 +16,9 @@ class Tokenizer:
         self.hf = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=False)
         self.eos_token_id = self.hf.eos_token_id
         self.pad_token_id = self.hf.pad_token_id if self.hf.pad_token_id is not None else self.eos_token_id
+        self._byte_decoder = _byte_decoder(self.hf)
+        self._added = set(self.hf.added_tokens_decoder)  # stored as their text, in every kind of tokenizer
+        self._pieces: dict[int, tuple[str, bytes]] = {}  # token_piece's, at most one per vocabulary entry
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.hf.encode(text, add_special_tokens=add_special_tokens)
@@ -30,6 +36,37 @@ class Tokenizer:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def token_piece(self, token_id: int) -> tuple[str, bytes]:
+        """One token on its own, as OpenAI's logprobs show it: its text and its own bytes.
+
+        The bytes come from the token's vocabulary entry (convert_ids_to_tokens): byte-level BPE
+        spells each byte as one printable character, SentencePiece writes a byte-fallback token as
+        <0xHH> and a space as U+2581. So a token holding part of a multibyte character gives the raw
+        byte(s), which decode() cannot (it gives U+FFFD). The text is those bytes as UTF-8, U+FFFD
+        for such a part: decoding the id alone would also drop SentencePiece's leading space."""
+        piece = self._pieces.get(token_id)
+        if piece is None:
+            name = self.hf.convert_ids_to_tokens(token_id) or ""  # None: an id past the tokenizer's (padded vocab)
+            if self._byte_decoder is not None and token_id not in self._added:
+                raw = bytes(self._byte_decoder[c] for c in name)
+            elif byte := BYTE_PIECE.fullmatch(name):
+                raw = bytes([int(byte[1], 16)])
+            else:
+                raw = name.replace("\u2581", " ").encode()
+            piece = self._pieces[token_id] = (raw.decode(errors="replace"), raw)
+        return piece
+
+
+def _byte_decoder(hf) -> dict[str, int] | None:
+    """Byte-level BPE's character -> byte table (GPT-2's), for tokenizers that decode with it."""
+    from tokenizers import decoders
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    backend = getattr(hf, "backend_tokenizer", None)  # None: a slow (SentencePiece) tokenizer
+    if backend is None or not isinstance(backend.decoder, decoders.ByteLevel):
+        return None
+    return {char: byte for byte, char in bytes_to_unicode().items()}
 
 
 class IncrementalDetokenizer:

@@ -11,7 +11,8 @@ from app.channel import Inbound, Outbound, ReplyTo
 from app.config import ServiceConfig
 from app.engine.llm_engine import merge_outputs
 from app.engine.model_loader import resolve_model_dir
-from app.protocol.messages import TextChunk, TextOutput, TokenizedJob, merge_chunks
+from app.engine.outputs import CompletionOutput
+from app.protocol.messages import TextChunk, TextOutput, TokenizedJob, TokenText, merge_chunks
 from app.text import IncrementalDetokenizer, Tokenizer
 
 
@@ -37,8 +38,21 @@ class DetokenizerDeployment:
             else self.engine.generate
         return lambda reply_to: generate.remote(job.request_id, job.prompt_token_ids, job.params, job.adapter, reply_to)
 
+    def _token_texts(self, c: CompletionOutput, offset: int) -> tuple[list[TokenText], int]:
+        """Each token decoded on its own (Tokenizer.token_piece), with its alternatives if asked;
+        `offset` is where the first starts, and the offset after the last comes back."""
+        tokens = []
+        for i, token_id in enumerate(c.token_ids):
+            text, raw = self.tokenizer.token_piece(token_id)
+            ids, values = c.top_logprobs[i] if c.top_logprobs is not None else ((), ())
+            top = [(*self.tokenizer.token_piece(t), value) for t, value in zip(ids, values)]
+            tokens.append(TokenText(text, raw, offset, top))
+            offset += len(text)
+        return tokens, offset
+
     async def _text(self, job: TokenizedJob):
         detoks: dict[int, IncrementalDetokenizer] = {}
+        offsets: dict[int, int] = {}  # characters of each output's token texts so far
         async with aclosing(self.inbound.receive(self._engine_call(job))) as outputs:
             async for out in outputs:
                 chunk = TextChunk([], out.finished, len(job.prompt_token_ids), out.metrics)
@@ -54,8 +68,11 @@ class DetokenizerDeployment:
                         text += detok.finish(reason if isinstance(reason, list) else None)
                         if detok.stopped is not None:
                             finish, reason = "stop", detok.stopped
+                    tokens = None
+                    if c.logprobs is not None:
+                        tokens, offsets[c.index] = self._token_texts(c, offsets.get(c.index, 0))
                     chunk.outputs.append(TextOutput(c.index, text, c.token_ids, c.logprobs, c.cumulative_logprob,
-                                                    finish, reason))
+                                                    finish, reason, tokens))
                 chunk.finished = chunk.finished or (bool(detoks) and all(d.stopped is not None for d in detoks.values()))
                 yield chunk
                 if chunk.finished:

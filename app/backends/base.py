@@ -81,6 +81,13 @@ def not_loaded(ref: AdapterRef) -> InvalidRequestError:
                                           "then the name alone")
 
 
+def refuse_torch_only(params: SamplingParams, backend: str) -> None:
+    """Fields only the torch engine implements so far: refused by name, not silently ignored."""
+    for name in ("top_logprobs", "logit_bias"):
+        if getattr(params, name):
+            raise InvalidRequestError(name, f"is not supported by the {backend} backend yet")
+
+
 CONTAINER = "nvcr.io/nvidia/tritonserver:<xx.yy>-trtllm-python-py3"
 
 

@@ -17,6 +17,7 @@ from app.backends.base import (
     ServedModel,
     StopWatcher,
     import_backend_package,
+    refuse_torch_only,
 )
 from app.backends.triton_repository import write_model_repository
 from app.config import ServiceConfig
@@ -87,6 +88,7 @@ class TritonBackend:
             raise InvalidRequestError("min_p", "the triton backend's tensorrt_llm model has no min_p input")
         if params.guide is not None:  # the model's guided_decoding_* inputs: not wired up yet
             raise InvalidRequestError(params.guide.field, "guided decoding is not supported by the triton backend yet")
+        refuse_torch_only(params, "triton")
         end_id, extra_eos = self.served.end_ids(params)
         inputs = {
             "input_ids": np.array([prompt], dtype=np.int32),

@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 from datetime import timedelta
 
-from app.backends.base import AdapterTable, ServedModel, StopWatcher, import_backend_package
+from app.backends.base import AdapterTable, ServedModel, StopWatcher, import_backend_package, refuse_torch_only
 from app.config import ServiceConfig
 from app.engine.errors import BackendError, InvalidRequestError
 from app.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -77,6 +77,7 @@ class TrtllmBackend:
         single = lambda seqs: [s[0] for s in seqs if len(s) == 1]  # noqa: E731
         if params.guide is not None:  # TensorRT-LLM's GuidedDecodingParams: not wired up yet
             raise InvalidRequestError(params.guide.field, "guided decoding is not supported by the trtllm backend yet")
+        refuse_torch_only(params, "trtllm")
         if any(len(s) > 1 for s in params.bad_token_ids):
             raise InvalidRequestError("bad_words", "the trtllm backend bans single tokens only; every bad word "
                                                    "must be one token")

@@ -70,6 +70,7 @@ class EngineConfig:
     max_return_sequences: int = 16  # n, best_of, num_return_sequences
     max_stop_words: int = 64  # stop sequences, and bad-word sequences, per request
     max_stop_word_len: int = 256  # tokens per stop or bad word (characters, for words sent as text)
+    max_logprobs: int = 20  # top_logprobs per output token (OpenAI's own cap); 0 refuses them
     # Ranks = tp x pp: rank 0 is the engine's own process, the others are started by a WorkerLauncher.
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
@@ -84,6 +85,8 @@ class EngineConfig:
                      "max_stop_words", "max_stop_word_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.max_logprobs < 0:
+            raise ValueError(f"max_logprobs must be at least 0, got {self.max_logprobs}")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be auto or dummy, got {self.load_format!r}")
         if self.max_seq_len is not None and self.max_seq_len < 2:

@@ -264,7 +264,8 @@ class LLMEngine:
                 logprobs=seq.output_logprobs[seq.num_emitted:upto] if request.params.logprobs else None,
                 cumulative_logprob=seq.cumulative_logprob,
                 finish_reason=seq.finish_reason.value if seq.finish_reason else None,
-                stop_reason=seq.stop_reason))
+                stop_reason=seq.stop_reason,
+                top_logprobs=seq.output_top_logprobs[seq.num_emitted:upto] if request.params.top_logprobs else None))
             seq.num_emitted = upto
         if not completions:
             return None
@@ -336,11 +337,14 @@ def merge_outputs(acc: RequestOutput | None, delta: RequestOutput) -> RequestOut
         prev = by_index.get(c.index)
         if prev is None:
             by_index[c.index] = CompletionOutput(c.index, list(c.token_ids), list(c.logprobs) if c.logprobs is not None else None,
-                                                 c.cumulative_logprob, c.finish_reason, c.stop_reason)
+                                                 c.cumulative_logprob, c.finish_reason, c.stop_reason,
+                                                 list(c.top_logprobs) if c.top_logprobs is not None else None)
             continue
         prev.token_ids.extend(c.token_ids)
         if c.logprobs is not None:
             prev.logprobs = (prev.logprobs or []) + list(c.logprobs)
+        if c.top_logprobs is not None:
+            prev.top_logprobs = (prev.top_logprobs or []) + list(c.top_logprobs)
         prev.cumulative_logprob = c.cumulative_logprob
         prev.finish_reason, prev.stop_reason = c.finish_reason, c.stop_reason
     acc.outputs = [by_index[i] for i in sorted(by_index)]

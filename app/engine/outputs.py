@@ -14,6 +14,8 @@ class CompletionOutput:
     cumulative_logprob: float
     finish_reason: str | None = None
     stop_reason: int | list[int] | None = None
+    # Requests with top_logprobs: per token, (ids, logprobs) of the likeliest tokens at its position
+    top_logprobs: list[tuple[list[int], list[float]]] | None = None
 
 
 @dataclass

@@ -1,7 +1,9 @@
 """Turns the logits of one step into tokens, vectorized over the batch with per-row parameters.
 
-Order: constraints (min_tokens, bad words), penalties, then temperature, top-k, top-p, min-p and a
-draw by the exponential race (argmax p / Exp(1)), which takes each row's own seeded generator.
+Order: logit_bias, constraints (min_tokens, bad words), penalties, then temperature, top-k, top-p,
+min-p and a draw by the exponential race (argmax p / Exp(1)), which takes each row's own seeded
+generator. Logprobs (the chosen token's, and the top_logprobs likeliest of rows that ask) are taken
+from the raw logits, before any of it (SamplingParams says why).
 """
 from __future__ import annotations
 
@@ -18,31 +20,39 @@ class SamplerOutput:
     logprobs: list[float]
     # beam-search rows: the best 2 * beam_width (log-prob, token) continuations, best first
     beam_candidates: dict[int, tuple[list[float], list[int]]] = field(default_factory=dict)
+    # rows whose request asks for top_logprobs: (token ids, logprobs) of the likeliest, best first
+    top_logprobs: dict[int, tuple[list[int], list[float]]] = field(default_factory=dict)
 
 
 class DeviceSample:
     """A step's sampled tokens and their logprobs, still where they were computed. On CUDA they are
     copied into pinned host memory behind the step, so reading them back waits for this step alone,
-    not for a later one queued after it."""
+    not for a later one queued after it. `top` is (rows, how many each asks for, their top-k
+    logprobs and token ids), for the rows that ask for top_logprobs; it travels the same way."""
 
-    def __init__(self, token_ids: torch.Tensor, logprobs: torch.Tensor):
+    def __init__(self, token_ids: torch.Tensor, logprobs: torch.Tensor,
+                 top: tuple[list[int], list[int], torch.Tensor, torch.Tensor] | None = None):
         self.token_ids = token_ids  # [rows] on the device: the next step's inputs can be read from here
         self._ready = None
+        self._top_rows, self._top_counts, *top_tensors = top or ([], [])
+        tensors = [token_ids, logprobs, *top_tensors]
+        self._host = tensors
         if token_ids.is_cuda:
-            self._host_tokens = torch.empty(token_ids.shape, dtype=token_ids.dtype, pin_memory=True)
-            self._host_logprobs = torch.empty(logprobs.shape, dtype=logprobs.dtype, pin_memory=True)
-            self._host_tokens.copy_(token_ids, non_blocking=True)
-            self._host_logprobs.copy_(logprobs, non_blocking=True)
+            self._host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+            for host, t in zip(self._host, tensors):
+                host.copy_(t, non_blocking=True)
             self._ready = torch.cuda.Event()
             self._ready.record()
-        else:
-            self._host_tokens, self._host_logprobs = token_ids, logprobs
 
     def result(self) -> SamplerOutput:
         """Waits for the step (the engine's one host sync per step)."""
         if self._ready is not None:
             self._ready.synchronize()
-        return SamplerOutput(self._host_tokens.tolist(), self._host_logprobs.tolist())
+        tokens, logprobs, *top = (t.tolist() for t in self._host)
+        out = SamplerOutput(tokens, logprobs)
+        for row, count, values, ids in zip(self._top_rows, self._top_counts, *top):
+            out.top_logprobs[row] = (ids[:count], values[:count])
+        return out
 
 
 class Sampler:
@@ -68,8 +78,9 @@ class Sampler:
         return self._draw(logits, self._apply_constraints(logits, seqs), seqs)
 
     def _draw(self, raw: torch.Tensor, logits: torch.Tensor, seqs: list[Sequence]) -> DeviceSample:
-        """Each row's token (beam rows: a dummy 0) and its logprob under the raw logits. Host lists
-        reach the device by non-blocking copies only, so nothing here waits for the step."""
+        """Each row's token (beam rows: a dummy 0) and its logprob under the raw logits, and the
+        top_logprobs of the rows that ask (top-k over those rows alone: no cost for the others).
+        Host lists reach the device by non-blocking copies only, so nothing here waits for the step."""
         device = logits.device
         greedy = [i for i, seq in enumerate(seqs) if seq.beam_group is None and seq.params.greedy]
         sample = [i for i, seq in enumerate(seqs) if seq.beam_group is None and not seq.params.greedy]
@@ -83,11 +94,24 @@ class Sampler:
             if sample:
                 rows = _on(device, sample)
                 tokens[rows] = self._sample(logits[rows], [seqs[i] for i in sample])
-        chosen = torch.log_softmax(raw, dim=-1).gather(1, tokens[:, None]).squeeze(1)
-        return DeviceSample(tokens, chosen)
+        raw_logprobs = torch.log_softmax(raw, dim=-1)
+        chosen = raw_logprobs.gather(1, tokens[:, None]).squeeze(1)
+        asking = [i for i, seq in enumerate(seqs) if seq.params.top_logprobs]
+        if not asking:
+            return DeviceSample(tokens, chosen)
+        counts = [seqs[i].params.top_logprobs for i in asking]
+        values, ids = raw_logprobs[_on(device, asking)].topk(max(counts), dim=-1)
+        return DeviceSample(tokens, chosen, (asking, counts, values, ids))
 
     def _apply_constraints(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """The logits the draw sees: a copy where anything changes them, so that `logits` stays raw."""
         copied = False
+        biased = [(i, seq.params.logit_bias) for i, seq in enumerate(seqs) if seq.params.logit_bias]
+        if biased:  # one gather and scatter for every biased row of the batch; a row's ids are distinct
+            logits, copied = logits.clone(), True
+            rows = _on(logits.device, [i for i, bias in biased for _ in bias])
+            cols = _on(logits.device, [token for _, bias in biased for token in bias])
+            logits[rows, cols] += _on(logits.device, [value for _, bias in biased for value in bias.values()])
         for i, seq in enumerate(seqs):
             p = seq.params
             banned = []

@@ -12,6 +12,8 @@ from app.engine.guided import Guide
 MIN_SAMPLING_TEMPERATURE = 1e-5
 SEED_LIMIT = 1 << 64  # torch generators take unsigned 64-bit seeds
 MAX_GUIDE_CHARS = 1 << 16  # a schema, regex or grammar; compiling one holds up the engine's loop
+MAX_LOGIT_BIAS = 300  # logit_bias entries per request (OpenAI's limit)
+LOGIT_BIAS_RANGE = 100.0  # each bias lies in [-100, 100] (OpenAI's range)
 
 
 @dataclass
@@ -19,8 +21,11 @@ class SamplingParams:
     """Token-level parameters of one request (TensorRT-LLM SamplingParams semantics, ids not text).
 
     temperature 0 (or below MIN_SAMPLING_TEMPERATURE, or top_k 1) means greedy. Stop and bad words are token-id sequences; a stop
-    sequence ends generation and is cut from the output. Logprobs are the model's raw log-softmax
-    of the chosen token, before penalties and temperature (what vLLM returns by default).
+    sequence ends generation and is cut from the output. Logprobs, of the chosen token and of the
+    top_logprobs most likely ones, are the model's raw log-softmax: before logit_bias, penalties,
+    constraints, temperature and truncation (what vLLM returns by default), so they say what the
+    model thinks, whatever the sampler then did. logit_bias (token id -> bias) is added to the
+    logits before everything else the sampler does (vLLM's order), and so moves greedy choices too.
     """
 
     max_tokens: int = 32
@@ -39,6 +44,8 @@ class SamplingParams:
     bad_token_ids: list[list[int]] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: bool = False
+    top_logprobs: int = 0  # with each output token, this many most likely tokens and their logprobs
+    logit_bias: dict[int, float] = field(default_factory=dict)
     n: int = 1  # independent samples (num_return_sequences)
     beam_width: int = 1
     length_penalty: float = 1.0  # beam search: score / generated_length ** length_penalty
@@ -68,6 +75,7 @@ class RequestLimits:
     max_return_sequences: int
     max_stop_words: int
     max_stop_word_len: int
+    max_logprobs: int
 
 
 def request_limits(config: EngineConfig, vocab_size: int, max_seq_len: int, max_cache_tokens: int) -> RequestLimits:
@@ -77,7 +85,7 @@ def request_limits(config: EngineConfig, vocab_size: int, max_seq_len: int, max_
         max_num_tokens=config.max_num_tokens, chunked_prefill=config.enable_chunked_prefill,
         max_cache_tokens=max_cache_tokens, max_input_len=config.max_input_len, max_output_len=config.max_output_len,
         max_return_sequences=config.max_return_sequences, max_stop_words=config.max_stop_words,
-        max_stop_word_len=config.max_stop_word_len)
+        max_stop_word_len=config.max_stop_word_len, max_logprobs=config.max_logprobs)
 
 
 def _check(ok: bool, field_name: str, message: str) -> None:
@@ -134,6 +142,7 @@ def validate_request(prompt_token_ids: list[int], p: SamplingParams, limits: Req
     if p.beam_width > 1:
         _check(p.n <= p.beam_width, "n", f"must not exceed beam_width ({p.beam_width}) with beam search")
         _check(p.guide is None, p.guide.field if p.guide else "", "guided decoding does not combine with beam search")
+        _check(p.top_logprobs == 0, "top_logprobs", "does not combine with beam search")
     if p.guide is not None:
         _check(len(p.guide.spec) <= MAX_GUIDE_CHARS, p.guide.field,
                f"{len(p.guide.spec)} characters exceed the limit of {MAX_GUIDE_CHARS}")
@@ -141,5 +150,14 @@ def validate_request(prompt_token_ids: list[int], p: SamplingParams, limits: Req
         value = getattr(p, name)
         _check(value is None or 0 <= value < limits.vocab_size, name, f"must be in [0, {limits.vocab_size})")
     _check(p.seed is None or 0 <= p.seed < SEED_LIMIT, "seed", "must be in [0, 2**64)")
+    _check(p.top_logprobs >= 0, "top_logprobs", "must be >= 0")
+    _check(p.top_logprobs <= limits.max_logprobs, "top_logprobs",
+           f"{p.top_logprobs} exceeds this server's max_logprobs of {limits.max_logprobs}")
+    _check(len(p.logit_bias) <= MAX_LOGIT_BIAS, "logit_bias",
+           f"{len(p.logit_bias)} entries exceed the limit of {MAX_LOGIT_BIAS}")
+    for token, bias in p.logit_bias.items():
+        _check(0 <= token < limits.vocab_size, "logit_bias", f"token id {token} is not in [0, {limits.vocab_size})")
+        _check(-LOGIT_BIAS_RANGE <= bias <= LOGIT_BIAS_RANGE, "logit_bias",
+               f"the bias of token {token} is not in [-{LOGIT_BIAS_RANGE:g}, {LOGIT_BIAS_RANGE:g}]")
     _check_token_lists("stop_token_ids", p.stop_token_ids, limits)
     _check_token_lists("bad_token_ids", p.bad_token_ids, limits)

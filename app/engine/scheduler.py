@@ -114,7 +114,8 @@ class Scheduler:
         if sampled is not None:
             for row, seq in live.items():
                 if seq.beam_group is None:  # beams take their tokens when they advance, below
-                    seq.resolve_pending(sampled.token_ids[row], sampled.logprobs[row])  # (or appends)
+                    seq.resolve_pending(sampled.token_ids[row], sampled.logprobs[row],  # (or appends)
+                                        sampled.top_logprobs.get(row))
         # Every computed token is known by now (placeholders lie past them). Hashed before any
         # sequence below goes, so that a finished one leaves its full blocks cached.
         for item in plan.scheduled:

@@ -50,6 +50,8 @@ class Sequence:
         self.block_table: list[int] = []
         self.block_hashes: list[bytes] = []  # chained hashes of the full blocks registered so far
         self.output_logprobs: list[float] = []
+        # Aligned with output_logprobs: (ids, logprobs) of the likeliest tokens, or None where not asked
+        self.output_top_logprobs: list[tuple[list[int], list[float]] | None] = []
         self.cumulative_logprob = 0.0
         self.num_emitted = 0  # output tokens already handed to the caller
         self.finish_reason: FinishReason | None = None
@@ -88,11 +90,13 @@ class Sequence:
         return self.status is SequenceStatus.FINISHED
 
     # -- generation --------------------------------------------------------------------------------
-    def append_token(self, token_id: int, logprob: float) -> None:
+    def append_token(self, token_id: int, logprob: float,
+                     top_logprobs: tuple[list[int], list[float]] | None = None) -> None:
         if self.grammar is not None:
             self.grammar.accept(token_id)
         self.token_ids.append(token_id)
         self.output_logprobs.append(logprob)
+        self.output_top_logprobs.append(top_logprobs)
         self.cumulative_logprob += logprob
         now = time.time_ns()
         self.first_token_ns = self.first_token_ns or now
@@ -102,16 +106,19 @@ class Sequence:
         """The token sampled in row `row` of the step in flight: counted now, read back later."""
         self.token_ids.append(PENDING_TOKEN)
         self.output_logprobs.append(0.0)
+        self.output_top_logprobs.append(None)
         self.pending_row = row
 
-    def resolve_pending(self, token_id: int, logprob: float) -> None:
+    def resolve_pending(self, token_id: int, logprob: float,
+                        top_logprobs: tuple[list[int], list[float]] | None = None) -> None:
         self.drop_pending()
-        self.append_token(token_id, logprob)
+        self.append_token(token_id, logprob, top_logprobs)
 
     def drop_pending(self) -> None:
         if self.pending_row is not None:
             self.token_ids.pop()
             self.output_logprobs.pop()
+            self.output_top_logprobs.pop()
             self.pending_row = None
 
     def check_stop(self) -> FinishReason | None:
@@ -134,6 +141,7 @@ class Sequence:
         for _ in range(n):
             self.token_ids.pop()
             self.cumulative_logprob -= self.output_logprobs.pop()
+            self.output_top_logprobs.pop()
 
     def _finish(self, reason: FinishReason, stop_reason) -> FinishReason:
         self.finish_reason = reason
@@ -161,6 +169,7 @@ class Sequence:
         child.token_ids = list(self.token_ids)
         child.num_prompt_tokens = self.num_prompt_tokens
         child.output_logprobs = list(self.output_logprobs)
+        child.output_top_logprobs = list(self.output_top_logprobs)
         child.cumulative_logprob = self.cumulative_logprob
         child.num_computed_tokens = self.num_computed_tokens
         child.block_hashes = list(self.block_hashes)

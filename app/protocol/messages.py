@@ -68,6 +68,18 @@ class TokenizedJob:
 
 
 @dataclass
+class TokenText:
+    """An output token as OpenAI's logprobs show it (Tokenizer.token_piece): its text and bytes,
+    where it starts (characters of the output's token texts before it: text_offset), and the
+    likeliest tokens at its position as (text, bytes, logprob), best first."""
+
+    text: str
+    bytes: bytes
+    offset: int
+    top: list[tuple[str, bytes, float]]
+
+
+@dataclass
 class TextOutput:
     index: int
     text: str  # the new text since the previous chunk
@@ -76,6 +88,7 @@ class TextOutput:
     cumulative_logprob: float
     finish_reason: str | None = None
     stop_reason: int | str | list[int] | None = None
+    tokens: list[TokenText] | None = None  # with logprobs: one per token id
 
 
 @dataclass
@@ -99,6 +112,8 @@ def merge_chunks(a: TextChunk, b: TextChunk) -> TextChunk:
         prev.token_ids = prev.token_ids + o.token_ids
         if o.logprobs is not None:
             prev.logprobs = (prev.logprobs or []) + o.logprobs
+        if o.tokens is not None:
+            prev.tokens = (prev.tokens or []) + o.tokens
         prev.cumulative_logprob = o.cumulative_logprob
         prev.finish_reason, prev.stop_reason = o.finish_reason, o.stop_reason
     return TextChunk([by_index[i] for i in sorted(by_index)], b.finished, b.num_prompt_tokens, b.metrics or a.metrics)

@@ -13,14 +13,13 @@ from app.engine.guided import Guide
 from app.engine.sampling_params import SamplingParams
 from app.protocol import tools
 from app.protocol.body import parse_body
-from app.protocol.messages import GenerationJob, TextChunk
+from app.protocol.messages import GenerationJob, TextChunk, TextOutput
 
 
 # OpenAI fields a route does not implement (tools on /v1/completions), with the one value of each
 # that asks for nothing (clients often send it): accepted. Any other value, and any field not named
 # anywhere, is refused by name: a client asking for JSON must not get a 200 with free text.
-NEUTRAL = {"logit_bias": {}, "tools": [], "tool_choice": "none",
-           "best_of": 1, "top_logprobs": 0, "suffix": ""}
+NEUTRAL = {"tools": [], "tool_choice": "none", "best_of": 1, "suffix": ""}
 
 
 class StreamOptions(BaseModel):
@@ -64,6 +63,7 @@ class _Request(BaseModel):
     min_tokens: int = Field(0, ge=0)
     ignore_eos: bool = False
     response_format: ResponseFormat | None = None
+    logit_bias: dict[int, float] | None = None  # token id (a string in JSON) -> bias; the engine checks the range
     # vLLM's guided decoding extras
     guided_json: dict | str | None = None
     guided_regex: str | None = None
@@ -73,7 +73,7 @@ class _Request(BaseModel):
 
 class CompletionRequest(_Request):
     prompt: str | list[int] | list[str]
-    logprobs: int | None = Field(None, ge=0, le=5)
+    logprobs: int | None = Field(None, ge=0, le=5)  # the likeliest tokens per position, beside the chosen one
     echo: bool = False
 
 
@@ -153,6 +153,7 @@ class NamedToolChoice(BaseModel):
 class ChatRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # default: auto with tools
     parallel_tool_calls: bool = True  # false: at most one call (the grammar's, or the first one parsed)
@@ -197,7 +198,8 @@ def _validate(cls, body: Any):
         return cls.model_validate(body)
     except ValidationError as exc:
         err = exc.errors()[0]
-        raise InvalidRequestError(".".join(str(p) for p in err["loc"]) or "body",
+        # "[key]" is pydantic's mark for a dict key that failed: logit_bias.abc, not logit_bias.abc.[key]
+        raise InvalidRequestError(".".join(str(p) for p in err["loc"] if p != "[key]") or "body",
                                   err["msg"].removeprefix("Value error, ")) from None
 
 
@@ -232,14 +234,14 @@ def _regex_literal(text: str) -> str:
     return "(" + "".join("\\" + c if c in r"\.^$*+?{}[]|()" else c for c in text) + ")"
 
 
-def _job(req: _Request, max_tokens_default: int, logprobs: bool, **prompt) -> GenerationJob:
+def _job(req: _Request, max_tokens_default: int, logprobs: bool, top_logprobs: int, **prompt) -> GenerationJob:
     stop = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
     params = SamplingParams(
         max_tokens=req.max_completion_tokens or req.max_tokens or max_tokens_default, temperature=req.temperature,
         top_p=req.top_p, top_k=req.top_k, min_p=req.min_p, n=req.n, seed=req.seed,
         presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
         repetition_penalty=req.repetition_penalty, min_tokens=req.min_tokens, ignore_eos=req.ignore_eos,
-        logprobs=logprobs, guide=_guide(req))
+        logprobs=logprobs, top_logprobs=top_logprobs, logit_bias=req.logit_bias or {}, guide=_guide(req))
     return GenerationJob(request_id=f"cmpl-{uuid.uuid4().hex}", params=params, stop=stop, api="openai", **prompt)
 
 
@@ -250,7 +252,7 @@ def parse_completion(body: Any, max_tokens_default: int) -> tuple[GenerationJob,
             raise InvalidRequestError("prompt", "takes one prompt per request")
         req.prompt = req.prompt[0]
     prompt = {"prompt_token_ids": req.prompt} if isinstance(req.prompt, list) else {"prompt": req.prompt}
-    return _job(req, max_tokens_default, req.logprobs is not None, **prompt), req
+    return _job(req, max_tokens_default, req.logprobs is not None, req.logprobs or 0, **prompt), req
 
 
 def parse_chat(body: Any, max_tokens_default: int) -> tuple[GenerationJob, ChatRequest]:
@@ -267,7 +269,10 @@ def parse_chat(body: Any, max_tokens_default: int) -> tuple[GenerationJob, ChatR
     # write calls that would come back as raw text.
     functions = [t.model_dump(exclude_none=True, exclude={"function": {"strict"}}) for t in req.tools] \
         if req.calls_tools() else None
-    job = _job(req, max_tokens_default, req.logprobs, messages=_template_messages(req.messages), tools=functions)
+    if req.top_logprobs and not req.logprobs:
+        raise InvalidRequestError("top_logprobs", "requires logprobs: true")
+    job = _job(req, max_tokens_default, req.logprobs, req.top_logprobs or 0, messages=_template_messages(req.messages),
+               tools=functions)
     return job, req
 
 
@@ -338,12 +343,12 @@ def completion_response(job_id: str, model: str, chunk: TextChunk, chat: bool, s
                     finish = "tool_calls"
             choice = {"index": o.index, "delta" if stream else "message": message, "finish_reason": finish}
             if o.logprobs is not None:
-                choice["logprobs"] = {"content": [{"token": str(t), "logprob": lp, "bytes": None, "top_logprobs": []}
-                                                  for t, lp in zip(o.token_ids, o.logprobs)]}
+                choice["logprobs"] = {"content": [
+                    {**_token(t.text, t.bytes, lp), "top_logprobs": [_token(*alt) for alt in t.top]}
+                    for t, lp in zip(o.tokens, o.logprobs)]}
         else:
             choice = {"index": o.index, "text": echo_text + o.text, "finish_reason": finish,
-                      "logprobs": {"tokens": [str(t) for t in o.token_ids], "token_logprobs": o.logprobs}
-                      if o.logprobs is not None else None}
+                      "logprobs": _completion_logprobs(o, len(echo_text)) if o.logprobs is not None else None}
         choices.append(choice)
     obj = "chat.completion" if chat else "text_completion"
     out = {"id": job_id, "object": obj + (".chunk" if stream and chat else ""), "created": int(time.time()),
@@ -352,6 +357,23 @@ def completion_response(job_id: str, model: str, chunk: TextChunk, chat: bool, s
         generated = chunk.metrics.num_output_tokens if chunk.metrics else sum(len(o.token_ids) for o in chunk.outputs)
         out["usage"] = _usage(chunk, generated)
     return out
+
+
+def _token(text: str, raw: bytes, logprob: float) -> dict:
+    return {"token": text, "logprob": logprob, "bytes": list(raw)}
+
+
+def _completion_logprobs(o: TextOutput, start: int) -> dict:
+    """The legacy shape: per position a {text: logprob} of the likeliest tokens plus the chosen one
+    (so up to logprobs + 1 entries, as OpenAI says); tokens with the same text share an entry."""
+    top = []
+    for t, lp in zip(o.tokens, o.logprobs):
+        entry: dict[str, float] = {}
+        for text, _, value in [*t.top, (t.text, b"", lp)]:
+            entry.setdefault(text, value)  # best first; the likelier of two same texts
+        top.append(entry)
+    return {"tokens": [t.text for t in o.tokens], "token_logprobs": o.logprobs, "top_logprobs": top,
+            "text_offset": [start + t.offset for t in o.tokens]}
 
 
 def error_body(exc: InvalidRequestError | str, status: int = 400, param: str | None = None) -> dict:

@@ -1,7 +1,8 @@
 """/v1 bodies: fields this server does not implement are refused by name, never silently ignored;
 their neutral values (what clients send by default) pass; chat content may be text parts; guides
 (response_format, vLLM's guided_*) become one engine Guide; tool calls are parsed from the output
-(Hermes and Llama 3 JSON formats, or the JSON a forced tool_choice guides to), malformed ones stay text."""
+(Hermes and Llama 3 JSON formats, or the JSON a forced tool_choice guides to), malformed ones stay text;
+logprobs, top_logprobs and logit_bias reach the engine and come back in OpenAI's two shapes."""
 import json
 
 import pytest
@@ -9,18 +10,18 @@ import pytest
 from app.config import ServiceConfig
 from app.engine import InvalidRequestError
 from app.protocol import tools
-from app.protocol.messages import TextChunk, TextOutput
+from app.protocol.messages import TextChunk, TextOutput, TokenText, merge_chunks
 from app.protocol.openai import completion_response, parse_chat, parse_completion, tool_calls
 
 BASE = {"model": "m", "prompt": "Hi"}
+CHAT_ONE = {"model": "m", "messages": [{"role": "user", "content": "Hi"}]}
 
 
 @pytest.mark.parametrize("field, value", [
     ("tools", [{"type": "function", "function": {"name": "f"}}]),
     ("tool_choice", "auto"),
-    ("logit_bias", {"42": 100}),
     ("best_of", 3),
-    ("top_logprobs", 2),
+    ("top_logprobs", 2),  # a chat field; /v1/completions asks with logprobs: N
     ("functions", [{"name": "f"}]),
     ("made_up", 1),
 ])
@@ -35,6 +36,68 @@ def test_neutral_values_and_labels_pass():
                                  "tools": [], "user": "u-1", "stream_options": {"include_usage": True},
                                  "suffix": None}, 16)
     assert job.prompt == "Hi" and req.user == "u-1" and req.stream_options.include_usage
+
+
+def test_logprobs_and_logit_bias_reach_the_engine():
+    job, _ = parse_chat({**CHAT_ONE, "logprobs": True, "top_logprobs": 3, "logit_bias": {"42": -100, "7": 2.5}}, 16)
+    p = job.params
+    assert (p.logprobs, p.top_logprobs, p.logit_bias) == (True, 3, {42: -100.0, 7: 2.5})
+    job, _ = parse_completion({**BASE, "logprobs": 3, "logit_bias": {}}, 16)
+    assert (job.params.logprobs, job.params.top_logprobs, job.params.logit_bias) == (True, 3, {})
+    job, _ = parse_completion({**BASE, "logprobs": 0}, 16)
+    assert (job.params.logprobs, job.params.top_logprobs) == (True, 0)
+    job, _ = parse_chat({**CHAT_ONE, "top_logprobs": 0}, 16)  # the neutral value clients send
+    assert (job.params.logprobs, job.params.top_logprobs) == (False, 0)
+
+
+@pytest.mark.parametrize("parse, body, field", [
+    (parse_chat, {"top_logprobs": 2}, "top_logprobs"),  # without logprobs: true
+    (parse_chat, {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    (parse_completion, {"logprobs": 6}, "logprobs"),
+    (parse_completion, {"logit_bias": {"x": 1}}, "logit_bias.x"),
+    (parse_completion, {"logit_bias": ["1"]}, "logit_bias"),
+])
+def test_logprob_and_bias_requests_out_of_range_are_refused_by_field(parse, body, field):
+    with pytest.raises(InvalidRequestError) as err:
+        parse({**(CHAT_ONE if parse is parse_chat else BASE), **body}, 16)
+    assert err.value.field == field
+
+
+def _logprob_output(index: int = 0) -> TextOutput:
+    """Two tokens as the detokenizer sends them: the second is the first byte of a 3-byte character,
+    and its likeliest alternative shares its text."""
+    tokens = [TokenText(" café", b" caf\xc3\xa9", 0, [(" café", b" caf\xc3\xa9", -0.1), (" cafe", b" cafe", -2.5)]),
+              TokenText("\ufffd", b"\xe2", 5, [("\ufffd", b"\xe6", -0.7), ("!", b"!", -1.0)])]
+    return TextOutput(index, " café", [101, 102], [-0.1, -1.2], -1.3, "length", None, tokens)
+
+
+def test_chat_logprobs_carry_token_text_bytes_and_alternatives():
+    chunk = TextChunk([_logprob_output()], True, 3)
+    (choice,) = completion_response("id", "m", chunk, True, False)["choices"]
+    first, second = choice["logprobs"]["content"]
+    assert first == {"token": " café", "logprob": -0.1, "bytes": [32, 99, 97, 102, 195, 169], "top_logprobs": [
+        {"token": " café", "logprob": -0.1, "bytes": [32, 99, 97, 102, 195, 169]},
+        {"token": " cafe", "logprob": -2.5, "bytes": [32, 99, 97, 102, 101]}]}
+    assert second["bytes"] == [0xE2] and [t["bytes"] for t in second["top_logprobs"]] == [[0xE6], [33]]
+    assert json.dumps(choice)  # plain JSON types throughout
+
+
+def test_completion_logprobs_take_the_legacy_shape():
+    chunk = TextChunk([_logprob_output()], True, 3)
+    (choice,) = completion_response("id", "m", chunk, False, False, echo_text="Say")["choices"]
+    assert choice["text"] == "Say café"
+    assert choice["logprobs"] == {
+        "tokens": [" café", "\ufffd"], "token_logprobs": [-0.1, -1.2], "text_offset": [3, 8],  # after the echo
+        # the likeliest tokens plus the chosen one; same texts share the likelier entry
+        "top_logprobs": [{" café": -0.1, " cafe": -2.5}, {"\ufffd": -0.7, "!": -1.0}]}
+
+
+def test_streamed_logprob_chunks_merge_in_order():
+    first, second = _logprob_output(), _logprob_output()
+    first.tokens, first.logprobs, first.token_ids = first.tokens[:1], first.logprobs[:1], first.token_ids[:1]
+    second.tokens, second.logprobs, second.token_ids = second.tokens[1:], second.logprobs[1:], second.token_ids[1:]
+    merged = merge_chunks(TextChunk([first], False, 3), TextChunk([second], True, 3)).outputs[0]
+    assert merged.tokens == _logprob_output().tokens and merged.logprobs == [-0.1, -1.2]
 
 
 def test_chat_text_parts_join_and_other_parts_are_refused():

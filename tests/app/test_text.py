@@ -65,3 +65,34 @@ def test_a_stop_sequence_cut_on_ids_is_rechecked_on_text(tokenizer):
     assert detok.push(ids[:at]) + detok.finish(stop_ids) == " " and detok.stopped == "🌟🌟🌟"
     plain = IncrementalDetokenizer(tokenizer, ["never"])
     assert plain.push(ids[:at]) + plain.finish(stop_ids) == tokenizer.decode(ids[:at])  # no string: ids' cut stands
+
+
+def test_token_pieces_are_each_tokens_own_text_and_bytes(tokenizer):
+    """Bytes concatenate to the text, across a character split over tokens, whose parts show as
+    U+FFFD alone; special tokens are their own text."""
+    text = "Hi 漢字 café 🦙"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    pieces = [tokenizer.token_piece(i) for i in ids]
+    assert b"".join(raw for _, raw in pieces).decode() == text
+    assert pieces[1:4] == [(" \ufffd", b" \xe6"), ("\ufffd", b"\xbc"), ("\ufffd", b"\xa2")]  # 漢, split in 3
+    assert all(piece == raw.decode(errors="replace") for piece, raw in pieces)
+    assert tokenizer.token_piece(2) == ("<|im_end|>", b"<|im_end|>")
+
+
+def test_sentencepiece_pieces_keep_their_space_and_fallback_bytes(tmp_path):
+    """A SentencePiece-style vocabulary (Llama 2): U+2581 is a space that decoding one id alone
+    drops, and <0xHH> is one raw byte."""
+    from tokenizers import Tokenizer as Backend
+    from tokenizers import decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "</s>": 1, "<0xE6>": 2, "\u2581the": 3, "é": 4}
+    backend = Backend(models.BPE(vocab=vocab, merges=[], byte_fallback=True, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace()
+    backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                         decoders.Strip(" ", 1, 0)])
+    PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="</s>").save_pretrained(tmp_path)
+    tokenizer = Tokenizer(tmp_path)
+    assert tokenizer.decode([3]) == "the"
+    assert [tokenizer.token_piece(i) for i in (3, 2, 4, 1)] == [
+        (" the", b" the"), ("\ufffd", b"\xe6"), ("é", "é".encode()), ("</s>", b"</s>")]

@@ -1,4 +1,5 @@
-"""Engine behaviour request by request: stops, limits, sampling, beams, abort, reuse, metrics."""
+"""Engine behaviour request by request: stops, limits, sampling, top logprobs and logit bias, beams,
+abort, reuse, metrics."""
 import pytest
 import torch
 
@@ -64,6 +65,64 @@ def test_bad_words_are_never_produced(engine, greedy_tokens):
 def test_repetition_penalty_matches_transformers(engine, tiny_hf):
     out = _generate(engine, max_tokens=16, temperature=0.0, repetition_penalty=1.8).outputs[0]
     assert out.token_ids == hf_greedy(tiny_hf, PROMPT, 16, repetition_penalty=1.8)[:len(out.token_ids)]
+
+
+def _reference_logprobs(model, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+    """transformers' log-softmax at each position that produced one of `tokens` (teacher forcing)."""
+    with torch.inference_mode():
+        logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1]
+    return torch.log_softmax(logits.float(), dim=-1)
+
+
+def _check_top_logprobs(model, output, k: int) -> None:
+    """Each token's logprob and its k likeliest alternatives are the raw model's, best first."""
+    ref = _reference_logprobs(model, PROMPT, output.token_ids)
+    values, ids = ref.topk(k, dim=-1)
+    assert len(output.top_logprobs) == len(output.token_ids) > 0
+    for pos, (token, logprob, (top_ids, top_values)) in enumerate(zip(output.token_ids, output.logprobs,
+                                                                       output.top_logprobs)):
+        assert top_ids == ids[pos].tolist() and top_values == pytest.approx(values[pos].tolist(), abs=1e-4)
+        assert logprob == pytest.approx(ref[pos, token].item(), abs=1e-4)
+        if token in top_ids:
+            assert top_values[top_ids.index(token)] == pytest.approx(logprob, abs=1e-6)
+
+
+def test_top_logprobs_match_transformers(engine, tiny_hf, greedy_tokens):
+    out = _generate(engine, max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=True, top_logprobs=5).outputs[0]
+    assert out.token_ids == greedy_tokens[:12]
+    _check_top_logprobs(tiny_hf, out, 5)
+    assert [top_ids[0] for top_ids, _ in out.top_logprobs] == out.token_ids  # greedy: the likeliest is the one taken
+    # n > 1 and sampling: each sample's own alternatives, raw (before temperature and top-k).
+    out = _generate(engine, max_tokens=8, temperature=1.3, top_k=20, seed=3, n=2, ignore_eos=True, logprobs=True,
+                    top_logprobs=2)
+    assert out.outputs[0].token_ids != out.outputs[1].token_ids
+    for output in out.outputs:
+        _check_top_logprobs(tiny_hf, output, 2)
+    # Requests that do not ask get none, in the same batch.
+    greedy = dict(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=True)
+    plain, asking = engine.generate([PROMPT] * 2, [SamplingParams(**greedy), SamplingParams(**greedy, top_logprobs=1)])
+    assert plain.outputs[0].top_logprobs is None and len(asking.outputs[0].top_logprobs) == 4
+
+
+def test_logit_bias_forces_and_bans_tokens(engine, tiny_hf, greedy_tokens):
+    forced = 77
+    out = _generate(engine, max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=True,
+                    logit_bias={forced: 100.0}).outputs[0]
+    assert out.token_ids == [forced] * 6
+    # The logprobs stay the model's own: the bias moved the choice, not the distribution reported.
+    ref = _reference_logprobs(tiny_hf, PROMPT, out.token_ids)
+    assert out.logprobs == pytest.approx(ref[:, forced].tolist(), abs=1e-4)
+    banned = greedy_tokens[0]
+    out = _generate(engine, max_tokens=16, temperature=0.0, logit_bias={banned: -100.0}).outputs[0]
+    assert banned not in out.token_ids
+    assert out.token_ids == hf_greedy(tiny_hf, PROMPT, 16, sequence_bias={(banned,): -100.0})[:len(out.token_ids)]
+    # n > 1 sampled, beside a request without a bias in the same batch: each row gets its own.
+    biased, plain = engine.generate(
+        [PROMPT, PROMPT], [SamplingParams(max_tokens=5, temperature=1.0, seed=2, n=2, ignore_eos=True,
+                                          logit_bias={forced: 100.0, banned: -100.0}),
+                           SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)])
+    assert [o.token_ids for o in biased.outputs] == [[forced] * 5] * 2
+    assert plain.outputs[0].token_ids == greedy_tokens
 
 
 def test_seeded_sampling_is_reproducible(engine):
@@ -173,6 +232,13 @@ def test_perf_metrics_are_ordered(engine):
     ("length_penalty", {"length_penalty": float("nan")}, PROMPT),
     ("stop_token_ids", {"stop_token_ids": [[5]] * 65}, PROMPT),
     ("bad_token_ids", {"bad_token_ids": [[5] * 257]}, PROMPT),
+    ("top_logprobs", {"top_logprobs": 21}, PROMPT),
+    ("top_logprobs", {"top_logprobs": -1}, PROMPT),
+    ("top_logprobs", {"top_logprobs": 2, "beam_width": 2}, PROMPT),
+    ("logit_bias", {"logit_bias": {256: 1.0}}, PROMPT),
+    ("logit_bias", {"logit_bias": {5: 100.5}}, PROMPT),
+    ("logit_bias", {"logit_bias": {5: float("nan")}}, PROMPT),
+    ("logit_bias", {"logit_bias": dict.fromkeys(range(301), 1.0)}, PROMPT),
 ])
 def test_bad_requests_name_the_field_and_engine_keeps_running(engine, greedy_tokens, field, params, prompt):
     with pytest.raises(InvalidRequestError) as err:
@@ -202,3 +268,6 @@ def test_limits_are_named_in_messages(engine):
     with pytest.raises(InvalidRequestError, match="max_output_len of 8"):
         capped.add_request("many", PROMPT[:-1], SamplingParams(max_tokens=9))
     capped.add_request("fits", PROMPT[:-1], SamplingParams(max_tokens=8))
+    few = make_engine(engine.model_dir, max_logprobs=2)
+    with pytest.raises(InvalidRequestError, match="max_logprobs of 2"):
+        few.add_request("many", PROMPT, SamplingParams(logprobs=True, top_logprobs=3))

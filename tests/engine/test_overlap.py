@@ -1,6 +1,8 @@
 """Overlapped steps (step k + 1 queued before step k is read back) against steps run one by one:
 the same tokens under a mixed load, aborts that never leak a token still in flight, and every KV
 block back in the pool. Overlap is on by default only on CUDA; the bookkeeping is the same here."""
+from dataclasses import replace
+
 import pytest
 
 from app.engine import SamplingParams
@@ -36,6 +38,27 @@ def test_overlapped_steps_give_the_same_outputs_as_serial_ones(tiny_llama_dir, p
     for serial, overlapped in zip(runs[False], runs[True]):
         for a, b in zip(serial.outputs, overlapped.outputs):
             assert b.logprobs == pytest.approx(a.logprobs, abs=1e-5)
+
+
+def test_top_logprobs_and_logit_bias_ride_overlapped_steps(tiny_llama_dir):
+    """Requests asking for either stay overlappable; their tokens, logprobs and alternatives come
+    back with their own step's tokens, as in steps run one by one."""
+    prompts = random_prompts(12, 3, 40, vocab=256, seed=22)
+    params = [replace(p, top_logprobs=1 + i % 4, logit_bias={3 + i: 4.0, 40: -100.0} if i % 3 else {})
+              for i, p in enumerate(mixed_sampling_params(len(prompts)))]
+    runs = {}
+    for overlap in (False, True):
+        engine = _engine(tiny_llama_dir, overlap, max_batch_size=8, max_num_tokens=64)
+        runs[overlap] = run_staggered(engine, prompts, params, [i // 2 for i in range(len(prompts))])
+        assert engine.stats().used_blocks == 0
+    assert _completions(runs[True]) == _completions(runs[False])
+    for p, serial, overlapped in zip(params, runs[False], runs[True]):
+        for a, b in zip(serial.outputs, overlapped.outputs):
+            assert [ids for ids, _ in b.top_logprobs] == [ids for ids, _ in a.top_logprobs]
+            assert [v for _, values in b.top_logprobs for v in values] == \
+                pytest.approx([v for _, values in a.top_logprobs for v in values], abs=1e-5)
+            assert all(len(ids) == p.top_logprobs for ids, _ in b.top_logprobs)
+            assert 40 not in b.token_ids or not p.logit_bias
 
 
 def test_outputs_arrive_one_step_later_when_overlapped(tiny_llama_dir):

@@ -47,3 +47,39 @@ def test_completion_stop_n_seed_logprobs(client):
 def test_bad_request_raises_client_error(client):
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model="smollm2-135m", prompt="x", max_tokens=10**6)
+
+
+def test_logprobs_top_logprobs_and_logit_bias(client, smollm2_tokenizer):
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    kwargs = dict(model="smollm2-135m", temperature=0, max_tokens=20, messages=messages, logprobs=True, top_logprobs=3)
+    choice = client.chat.completions.create(**kwargs).choices[0]
+    content = choice.logprobs.content
+    assert "".join(t.token for t in content) == choice.message.content == "The capital of France is Paris."
+    for t in content:  # greedy: the likeliest alternative is the token taken
+        assert bytes(t.bytes).decode() == t.token and len(t.top_logprobs) == 3
+        assert (t.top_logprobs[0].token, t.top_logprobs[0].logprob) == (t.token, t.logprob)
+        assert [a.logprob for a in t.top_logprobs] == sorted((a.logprob for a in t.top_logprobs), reverse=True)
+    streamed = [t for c in client.chat.completions.create(stream=True, **kwargs) if c.choices and c.choices[0].logprobs
+                for t in c.choices[0].logprobs.content]
+    pairs = lambda tokens: [(t.token, t.top_logprobs[1].token) for t in tokens]  # noqa: E731
+    assert pairs(streamed) == pairs(content)
+
+    r = client.completions.create(model="smollm2-135m", prompt="The weather today is", max_tokens=8, temperature=0,
+                                  logprobs=3)
+    text, lp = r.choices[0].text, r.choices[0].logprobs
+    assert "".join(lp.tokens) == text and len(lp.token_logprobs) == len(lp.top_logprobs) == 8
+    assert lp.text_offset == [len("".join(lp.tokens[:i])) for i in range(8)]
+    assert all(len(top) == 3 and top[token] == logprob
+               for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs))
+
+    # logit_bias: +100 forces a token, -100 bans the greedy answer's first one.
+    (banana,) = smollm2_tokenizer.encode(" banana")
+    r = client.completions.create(model="smollm2-135m", prompt="The weather today is", max_tokens=3, temperature=0,
+                                  logit_bias={str(banana): 100})
+    assert r.choices[0].text == " banana" * 3
+    first = smollm2_tokenizer.encode(content[0].token)[0]
+    banned = client.chat.completions.create(model="smollm2-135m", temperature=0, max_tokens=20, messages=messages,
+                                            logit_bias={str(first): -100}).choices[0].message.content
+    assert not banned.startswith("The")
+    with pytest.raises(openai.BadRequestError, match="logit_bias"):
+        client.completions.create(model="smollm2-135m", prompt="x", max_tokens=2, logit_bias={"49152": 1})

@@ -14,7 +14,7 @@ from app.engine import SamplingParams
 from app.engine.llm_engine import merge_outputs
 from app.protocol.messages import AdapterRef
 from deployments.metrics import EngineMetrics
-from deployments.workers import PlacementGroupLauncher, placement_of_this_process
+from deployments.workers import PlacementGroupLauncher, model_dir_on_this_node, placement_of_this_process
 
 MAX_ADAPTERS_PER_REPLICA = 64  # what Serve's multiplexed routing tracks per replica
 # Adapters that requests brought by path, for every replica of the app: a later request that names
@@ -29,6 +29,7 @@ class EngineDeployment:
         # Adapters named in the config register at start, so a broken one stops start-up with its reason.
         policy = AdapterPolicy(config.lora_roots, config.lora_adapters)
         adapters = {name: policy.resolve(AdapterRef(name, None, "lora_adapters")).path for name in config.lora_adapters}
+        model_dir_on_this_node(config.model, "the engine replica")  # the backend would say it without the node
         self.launcher = None
         if config.world_size > 1 and config.backend == "torch":
             self.launcher = PlacementGroupLauncher(config.device)

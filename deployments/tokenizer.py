@@ -7,16 +7,16 @@ from jinja2 import TemplateError
 from ray import serve
 
 from app.engine.errors import InvalidRequestError
-from app.engine.model_loader import resolve_model_dir
 from app.protocol import tools
 from app.protocol.messages import GenerationJob, TokenizedJob
 from app.text import Tokenizer
+from deployments.workers import model_dir_on_this_node
 
 
 @serve.deployment(name="Tokenizer")
 class TokenizerDeployment:
     def __init__(self, model: str, tool_call_parser: str = "auto"):
-        self.tokenizer = Tokenizer(resolve_model_dir(model))
+        self.tokenizer = Tokenizer(model_dir_on_this_node(model, "the tokenizer"))
         self.tool_parser = tools.pick_parser(tool_call_parser, self.tokenizer.hf.chat_template)
 
     def ready(self) -> bool:

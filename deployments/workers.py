@@ -2,11 +2,15 @@
 replica's placement group: rank r in bundle r (the replica itself is rank 0, in bundle 0)."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import ray
+from ray.exceptions import RayTaskError
 from ray.util.placement_group import get_current_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from app.engine.executor import free_port
+from app.engine.model_loader import resolve_model_dir
 from app.engine.worker import worker_main
 
 
@@ -14,6 +18,9 @@ from app.engine.worker import worker_main
 class EngineRank:
     def run(self, kwargs: dict) -> None:
         worker_main(**kwargs)
+
+    def model_dir(self, model: str) -> str:
+        return str(model_dir_on_this_node(model, "an engine rank"))
 
     def placement(self) -> dict:
         return placement_of_this_process()
@@ -23,6 +30,18 @@ def placement_of_this_process() -> dict:
     context = ray.get_runtime_context()
     group = context.get_placement_group_id()
     return {"placement_group": group, "node": context.get_node_id()}
+
+
+def model_dir_on_this_node(model: str, who: str) -> Path:
+    """`model` resolved where this process runs. A config's path is read on every node that a stage
+    or rank lands on, not only where the app was built: missing here, it fails in one sentence."""
+    try:
+        return resolve_model_dir(model)
+    except FileNotFoundError as exc:
+        raise FileNotFoundError(
+            f"{who} on node {ray.util.get_node_ip_address()} (node id {ray.get_runtime_context().get_node_id()}) "
+            f"cannot find model {model!r}: model paths must be on storage every node mounts, or present at the "
+            f"same path on every node ({exc})") from None
 
 
 class PlacementGroupLauncher:
@@ -46,7 +65,14 @@ class PlacementGroupLauncher:
         resources = {"num_gpus": 1, "num_cpus": 0} if self.on_gpu else {"num_cpus": 1}
         actor = EngineRank.options(scheduling_strategy=strategy, name=None, **resources).remote()
         self.actors.append(actor)
-        self.runs.append(actor.run.remote(kwargs))
+        # Each rank finds the model on its own node (rank 0's directory is a path on rank 0's node; an
+        # embedded model is converted there). One that cannot fails here, in one sentence, instead of
+        # leaving rank 0 to wait out the rendezvous timeout.
+        try:
+            model_dir = ray.get(actor.model_dir.remote(kwargs["config"].model))
+        except RayTaskError as exc:
+            raise exc.cause from None
+        self.runs.append(actor.run.remote({**kwargs, "model_dir": model_dir}))
 
     def placements(self) -> list[dict]:
         """Where ranks 1..N-1 run (placement group and node id of each), for operators and tests."""

@@ -224,6 +224,8 @@ class ServiceConfig(_Strict):
         """The engine's config: every EngineConfig field has a key of the same name here."""
         values = {f.name: getattr(self, f.name) for f in fields(EngineConfig)}
         values["kv_cache_config"] = KvCacheConfig(**self.kv_cache_config.model_dump())
+        if not (self.lora_roots or self.lora_adapters):  # no adapter can ever come: reserve no slots for one
+            values["max_loras"] = 0
         return EngineConfig(**values)
 
 

@@ -10,7 +10,7 @@ from app.adapters import AdapterPolicy
 from app.backends import create_backend
 from app.channel import Outbound, ReplyTo
 from app.config import ServiceConfig
-from app.engine import SamplingParams
+from app.engine import InvalidRequestError, SamplingParams
 from app.engine.llm_engine import merge_outputs
 from app.protocol.messages import AdapterRef
 from deployments.metrics import EngineMetrics
@@ -27,8 +27,9 @@ ADAPTER_PATHS = "llm-serve-adapters"
 class EngineDeployment:
     def __init__(self, config: ServiceConfig):
         # Adapters named in the config register at start, so a broken one stops start-up with its reason.
-        policy = AdapterPolicy(config.lora_roots, config.lora_adapters)
-        adapters = {name: policy.resolve(AdapterRef(name, None, "lora_adapters")).path for name in config.lora_adapters}
+        self.policy = AdapterPolicy(config.lora_roots, config.lora_adapters)
+        adapters = {name: self.policy.resolve(AdapterRef(name, None, "lora_adapters")).path
+                    for name in config.lora_adapters}
         model_dir_on_this_node(config.model, "the engine replica")  # the backend would say it without the node
         self.launcher = None
         if config.world_size > 1 and config.backend == "torch":
@@ -44,19 +45,28 @@ class EngineDeployment:
         """Send the request's RequestOutput deltas to `reply_to` (app/channel.py) and return once the
         last is written. Cancelling this call, or the consumer's death, aborts the request."""
         if adapter is not None:
-            if adapter.path is None and adapter.name not in self.bound:
-                adapter = AdapterRef(adapter.name, await self._recorded_path(adapter.name), adapter.field)
+            if adapter.name not in self.bound:
+                adapter = await self._recorded(adapter)
             await self._mark_resident(serve.get_multiplexed_model_id())
         outputs = self.backend.generate(request_id, prompt_token_ids, params, adapter)
         await self.outbound.stream(reply_to, outputs)
         if adapter is not None and adapter.path is not None and adapter.name not in self.bound:
             self.bound.add(adapter.name)  # it loaded: other replicas may load it by name from now on
             await asyncio.to_thread(internal_kv._internal_kv_put, self._key(adapter.name), adapter.path,
-                                    namespace=ADAPTER_PATHS)
+                                    overwrite=False, namespace=ADAPTER_PATHS)
 
-    async def _recorded_path(self, name: str) -> str | None:
-        path = await asyncio.to_thread(internal_kv._internal_kv_get, self._key(name), namespace=ADAPTER_PATHS)
-        return path.decode() if path is not None else None
+    async def _recorded(self, adapter: AdapterRef) -> AdapterRef:
+        """The adapter with the path another replica bound its name to, if one did: a name keeps one
+        path on every replica (another path is a 409), and a recorded path must still lie inside this
+        app's lora_roots (the config may have changed since it was recorded)."""
+        recorded = await asyncio.to_thread(internal_kv._internal_kv_get, self._key(adapter.name),
+                                           namespace=ADAPTER_PATHS)
+        if recorded is None:
+            return adapter
+        if adapter.path is not None and adapter.path != recorded.decode():
+            raise InvalidRequestError(adapter.field, f"LoRA adapter '{adapter.name}' is already bound to another "
+                                                     "path; send the new adapter under a new name", status=409)
+        return self.policy.resolve(AdapterRef(adapter.name, recorded.decode(), adapter.field))
 
     def _key(self, name: str) -> str:
         return f"{self.app_name}/{name}"

@@ -55,7 +55,7 @@ class EngineConfig:
     max_beam_width: int = 4
     kv_cache_config: KvCacheConfig = field(default_factory=KvCacheConfig)
     seed: int = 0  # seeds the sampler for requests that bring no seed of their own
-    max_loras: int = 8  # adapters resident on the device at once (lora_cache_gpu_memory_fraction's role)
+    max_loras: int = 8  # adapters resident on the device at once (lora_cache_gpu_memory_fraction's role); 0: none
     max_cpu_loras: int = 64  # adapters kept loaded on the host (lora_cache_host_memory_bytes' role)
     max_lora_rank: int = 64
     cuda_graphs: bool = True  # CUDA only: replay decode steps from graphs (batch-size buckets)
@@ -80,7 +80,9 @@ class EngineConfig:
             self.kv_cache_config = KvCacheConfig(**self.kv_cache_config)
         self.scheduler_policy = SchedulerPolicy(self.scheduler_policy)
         self.batching_type = BatchingType(self.batching_type)
-        for name in ("max_batch_size", "max_num_tokens", "max_beam_width", "max_loras", "max_cpu_loras",
+        if self.max_loras < 0:
+            raise ValueError(f"max_loras must be at least 0 (0: no adapters), got {self.max_loras}")
+        for name in ("max_batch_size", "max_num_tokens", "max_beam_width", "max_cpu_loras",
                      "max_lora_rank", "tensor_parallel_size", "pipeline_parallel_size", "max_return_sequences",
                      "max_stop_words", "max_stop_word_len"):
             if getattr(self, name) < 1:

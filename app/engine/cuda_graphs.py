@@ -20,6 +20,12 @@ def bucket_sizes(max_batch_size: int) -> list[int]:
     return sorted({s for s in sizes if s <= max_batch_size} | {max_batch_size})
 
 
+def lora_item_capacity(sizes: list[int], num_slots: int) -> int:
+    """Rows the static LoRA work-item buffer needs: the most any bucket can use (not the largest
+    bucket's: above 256 rows the blocks are larger, so a bucket there needs fewer items)."""
+    return max(max_work_items(size, num_slots) for size in sizes)
+
+
 class DecodeGraphs:
     def __init__(self, model, kv_caches: list[torch.Tensor], max_batch_size: int, max_blocks_per_seq: int,
                  scratch_block: int, block_size: int, device: torch.device, lora_slots: LoRASlots | None = None):
@@ -35,7 +41,7 @@ class DecodeGraphs:
         self.with_lora = lora_slots is not None
         self.lora_slots = lora_slots
         self.lora_order = torch.arange(n, device=device)
-        self.lora_items = torch.zeros(max_work_items(n, lora_slots.num_slots) if lora_slots else 1, 3,
+        self.lora_items = torch.zeros(lora_item_capacity(self.sizes, lora_slots.num_slots) if lora_slots else 1, 3,
                                       dtype=torch.int32, device=device)  # all empty until a step sets them
         self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
         self.logits: dict[tuple[int, bool], torch.Tensor] = {}

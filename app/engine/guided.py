@@ -2,8 +2,10 @@
 
 A request's `Guide` is parsed when it arrives (a guide that does not parse is a 400 at once), then
 compiled against the vocabulary on a thread of its own, once per distinct guide (xgrammar's
-compiler caches by content, bounded): however long a hostile guide takes, the engine loop never
-waits for it, and a compile past COMPILE_TIMEOUT_S fails its request alone. Each of the request's
+compiler caches by content, bounded): however long a hostile guide takes, the engine loop and
+unguided requests never wait for it. Other guides queue behind it: a compile past
+COMPILE_TIMEOUT_S fails its request (400), one that never started in that time is dropped (503), as
+is any past MAX_QUEUED_COMPILES. Each of the request's
 sequences walks the grammar with its own matcher. Before a step samples, the matcher's token
 bitmask removes every token the grammar does not allow next; after, the sampled token advances
 the matcher. A guided request therefore needs its previous token on the host before the next step
@@ -25,6 +27,7 @@ from app.engine.errors import InvalidRequestError
 KINDS = ("json", "json_schema", "regex", "ebnf")
 CACHE_BYTES = 256 << 20  # compiled grammars kept (xgrammar evicts the least recently used)
 COMPILE_TIMEOUT_S = 10.0  # from arrival, queueing behind other compiles included
+MAX_QUEUED_COMPILES = 64  # past this, a guide that needs compiling is refused (503) at once
 
 
 @dataclass(frozen=True)
@@ -45,6 +48,7 @@ class GrammarCompiler:
         self._compiler = None
         self._lock = threading.Lock()
         self.timeout_s = COMPILE_TIMEOUT_S
+        self._queued = 0  # submitted, not yet done
         # One thread: a slow guide delays other guided requests (each within its timeout), never the loop.
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-compile")
 
@@ -79,7 +83,17 @@ class GrammarCompiler:
     def compile(self, guide: Guide) -> Future:
         """Check the guide now, compile it on the compile thread: a future of its compiled grammar."""
         grammar = self.check(guide)
-        return self._pool.submit(self._compile, guide, grammar)
+        with self._lock:
+            if self._queued >= MAX_QUEUED_COMPILES:
+                raise InvalidRequestError(guide.field, "the guide compiler is busy; retry", status=503)
+            self._queued += 1
+        future = self._pool.submit(self._compile, guide, grammar)
+        future.add_done_callback(self._done)
+        return future
+
+    def _done(self, _future: Future) -> None:
+        with self._lock:
+            self._queued -= 1
 
     def _compile(self, guide: Guide, grammar):
         with _compile_errors(guide):

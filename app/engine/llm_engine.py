@@ -109,9 +109,10 @@ class LLMEngine:
             self.scheduler.add(seq)
 
     def _admit_compiled(self) -> list[RequestOutput]:
-        """Guided requests whose grammar is ready join the scheduler; one whose guide failed to
-        compile, or did not in time (GrammarCompiler.timeout_s), ends with that error. Waits a moment for a
-        compile when nothing else is there to run, rather than spin."""
+        """Guided requests whose grammar is ready join the scheduler. One whose guide failed to
+        compile, or ran past GrammarCompiler.timeout_s, ends with a 400; one whose compile never
+        started in that time (other guides ahead of it) with a 503, and its compile is dropped.
+        Waits a moment for a compile when nothing else is there to run, rather than spin."""
         if not self.scheduler.has_work() and self._in_flight is None:
             concurrent.futures.wait([f for f, _ in self.compiling.values()], timeout=0.01,
                                     return_when=concurrent.futures.FIRST_COMPLETED)
@@ -119,23 +120,29 @@ class LLMEngine:
         for request_id, (future, deadline) in list(self.compiling.items()):
             if not future.done() and time.monotonic() < deadline:
                 continue
-            request = self.requests[request_id]
-            error = future.exception() if future.done() else InvalidRequestError(
-                request.params.guide.field, f"did not compile within {self.grammars.timeout_s:g} s")
-            if error is None:
-                del self.compiling[request_id]
-                for seq in request.seqs:
-                    seq.grammar = self.grammars.matcher(future.result())
-                    self.scheduler.add(seq)
-            else:
+            request, field = self.requests[request_id], self.requests[request_id].params.guide.field
+            try:
+                if not future.done():
+                    started = not future.cancel()
+                    raise InvalidRequestError(field, f"did not compile within {self.grammars.timeout_s:g} s") \
+                        if started else InvalidRequestError(field, "the guide compiler is busy; retry", status=503)
+                matchers = [self.grammars.matcher(future.result()) for _ in request.seqs]
+            except Exception as exc:  # noqa: BLE001 - this request's failure, not the engine's
                 output = self.abort_request(request_id)
-                output.error = error
+                output.error = exc if isinstance(exc, InvalidRequestError) else \
+                    f"its guide could not be prepared ({type(exc).__name__})"
                 failed.append(output)
+                continue
+            del self.compiling[request_id]
+            for seq, matcher in zip(request.seqs, matchers):
+                seq.grammar = matcher
+                self.scheduler.add(seq)
         return failed
 
     def add_lora(self, name: str, path) -> None:
         """Register (or replace) an adapter; InvalidRequestError says what is wrong with it."""
-        in_use = {s.adapter_id for s in self.scheduler.running + list(self.scheduler.waiting) if s.adapter_id}
+        # Every request's adapter, those still compiling their guide included, stays loaded.
+        in_use = {s.adapter_id for r in self.requests.values() for s in r.seqs if s.adapter_id}
         self.runner.add_lora(name, path, in_use)
 
     def _generator(self, params: SamplingParams, index: int) -> torch.Generator | None:
@@ -149,7 +156,10 @@ class LLMEngine:
         if request is None:
             return None
         request.aborted = True
-        queued = self.compiling.pop(request_id, None) is None  # one still compiling never reached the scheduler
+        compiling = self.compiling.pop(request_id, None)
+        if compiling is not None:
+            compiling[0].cancel()  # a compile not yet started is dropped; one running finishes into the cache
+        queued = compiling is None  # one still compiling never reached the scheduler
         for seq in request.seqs:
             seq.drop_pending()  # a token still in flight is not output
             if queued and not seq.is_finished:
@@ -171,18 +181,18 @@ class LLMEngine:
         their KV blocks are freed and their outputs carry the error, while waiting requests and the
         engine go on. Only MAX_FAILED_STEPS failures in a row (a lost device, not a bad request)
         propagate, for the serving layer to replace the engine."""
-        failed = self._admit_compiled() if self.compiling else []
+        failed = self._admit_compiled() if self.compiling else []  # already out of self.requests: returned whatever
         try:
-            outputs = failed + self._step()
+            outputs = self._step()
         except Exception as exc:  # noqa: BLE001 - re-raised once failures repeat
             self.failed_steps += 1
             if self.failed_steps >= MAX_FAILED_STEPS:
                 raise
             logger.exception("engine step failed; failing the requests it computed")
-            return self._fail_stepping(f"the engine step computing this request failed ({type(exc).__name__})")
+            return failed + self._fail_stepping(f"the engine step computing this request failed ({type(exc).__name__})")
         if self._stepping:  # a step that computed something succeeded
             self.failed_steps = 0
-        return outputs
+        return failed + outputs
 
     def _fail_stepping(self, error: str) -> list[RequestOutput]:
         self._in_flight = None  # its requests are among those failed: nothing waits for its tokens
@@ -199,7 +209,7 @@ class LLMEngine:
         a stop token may compute one extra token, which is dropped."""
         in_flight = self._in_flight.plan.scheduled if self._in_flight is not None else []
         self._stepping = {item.seq.request_id for item in in_flight}
-        overlap = self.overlap and all(r.overlappable for r in self.requests.values())
+        overlap = self.overlap and all(r.overlappable for rid, r in self.requests.items() if rid not in self.compiling)
         if not overlap and self._in_flight is not None:  # catch up before a step that needs every token
             return self._finish(self._take_in_flight())
         plan = self.scheduler.schedule()

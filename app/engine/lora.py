@@ -1,10 +1,11 @@
 """LoRA adapters in the engine: a host cache and a bounded device cache, and the per-step batch
 that lets one forward pass serve tokens of many adapters at once (reading them: lora_loader.py).
 
-Each adapted linear adds, for every token, (x @ A.T) * scaling @ B.T of that token's own adapter.
-The step's adapters are stacked, so this is two matmuls per module however many adapters share
-the batch, with a per-token selector that zeroes the other adapters' columns: no per-adapter
-forward pass and no weight merging; base-model tokens and any mix of adapters share one batch.
+Each adapted linear adds, for every token, (x @ A.T) * scaling @ B.T of that token's own adapter,
+two operations per module however many adapters share the batch: no per-adapter forward pass and
+no weight merging; base-model tokens and any mix of adapters share one batch. On CUDA adapters sit
+in fixed device slots that two Triton kernels read (LoRASlots); elsewhere the step's adapters are
+stacked, with a per-token selector that zeroes the other adapters' columns (LoRAStack).
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from app.engine.errors import InvalidRequestError
 from app.engine.lora_loader import LoRAAdapter, load_adapter
 
 
@@ -71,8 +73,7 @@ class LoRASlots:
     replay from CUDA graphs, and loading an adapter is a copy into its slot, ordered on the stream
     after the steps already queued."""
 
-    def __init__(self, model, num_slots: int, max_rank: int, projections: set[str]):
-        weight = next(model.parameters())
+    def __init__(self, model, num_slots: int, max_rank: int, projections: set[str], dtype: torch.dtype):
         self.rank = max_rank
         self.num_slots = num_slots
         self.weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor, list[int]]] = {}
@@ -81,8 +82,9 @@ class LoRASlots:
             if key is None or key[1] not in projections:
                 continue
             width = len(module.out_sizes) * self.rank
-            a = torch.zeros(num_slots + 1, width, module.weight.shape[1], dtype=weight.dtype, device=weight.device)
-            b = torch.zeros(num_slots + 1, sum(module.out_sizes), self.rank, dtype=weight.dtype, device=weight.device)
+            device = module.weight.device
+            a = torch.zeros(num_slots + 1, width, module.weight.shape[1], dtype=dtype, device=device)
+            b = torch.zeros(num_slots + 1, sum(module.out_sizes), self.rank, dtype=dtype, device=device)
             self.weights[key] = (a, b, module.offsets)
         self._compile()
 
@@ -150,6 +152,7 @@ class SlotBatch:
     block_m: int
 
     def apply(self, x: torch.Tensor, y: torch.Tensor, key: tuple[int, str], offsets: list[int]) -> torch.Tensor:
+        """LoRABatch.apply's signature; the slots hold each module's offsets themselves."""
         weights = self.slots.weights.get(key)
         return y if weights is None else self.apply_weights(x, y, *weights)
 
@@ -184,6 +187,9 @@ class LoRACache:
 
     def add(self, name: str, path: Path, in_use: set[str] = frozenset()) -> None:
         """Register (or replace) an adapter once it has passed every check; a refused one changes nothing."""
+        if not self.device_slots:
+            raise InvalidRequestError("lora", "this engine serves no adapters (max_loras is 0; a service config "
+                                              "enables them with lora_roots or lora_adapters)")
         adapter = load_adapter(name, Path(path), self.max_rank, self.shapes, self.num_layers)
         adapter = adapter.shard(self.tp_size, self.tp_rank)
         if self.slots is not None:

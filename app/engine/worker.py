@@ -67,7 +67,8 @@ class ModelShard:
         shapes = self.model.lora_shapes(cfg)
         # On CUDA adapters live in fixed slots, reserved before the KV pool takes what is free.
         slots = LoRASlots(self.model, config.max_loras, config.max_lora_rank,
-                          {self.model.PROJECTIONS[p][0] for p in shapes}) if device.type == "cuda" else None
+                          {self.model.PROJECTIONS[p][0] for p in shapes}, self.dtype) \
+            if device.type == "cuda" and config.max_loras else None
         self.loras = LoRACache(config.max_loras, config.max_cpu_loras, config.max_lora_rank, device, self.dtype,
                                shapes, cfg.num_layers, self.layout.tp_size, self.layout.tp_rank, slots)
         # Pipeline stages pass activations between graphs; only single-stage decode is captured.

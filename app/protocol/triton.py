@@ -7,7 +7,6 @@ Fields may sit at the top level or under "parameters" (Triton merges both).
 """
 from __future__ import annotations
 
-import math
 import uuid
 from typing import Any, Literal
 
@@ -271,15 +270,34 @@ def infer_to_generate_body(body: Any) -> tuple[dict, str | None, list[str] | Non
     return fields, req.id, wanted
 
 
+MAX_DIMS = 8
+
+
+def element_count(shape: list[int], where: str, most: int) -> int:
+    """The elements `shape` holds, where that is at most `most` (what the data could fill). An
+    untrusted shape never costs a huge product: at most MAX_DIMS dimensions, and the product stops
+    once it passes `most`."""
+    if len(shape) > MAX_DIMS:
+        raise InvalidRequestError(f"{where}.shape", f"has {len(shape)} dimensions; at most {MAX_DIMS}")
+    if any(d < 0 for d in shape):
+        raise InvalidRequestError(f"{where}.shape", "dimensions must be >= 0")
+    if 0 in shape:
+        return 0
+    count = 1
+    for d in shape:
+        count *= d
+        if count > most:
+            raise InvalidRequestError(f"{where}.shape", f"{shape} holds more elements than the data can fill ({most})")
+    return count
+
+
 def _check_tensor(tensor: InferTensor, where: str) -> None:
     """Data must fill the shape (row-major, nested or flat) with values of the datatype."""
     flat = _flatten(tensor.data)
     if tensor.shape is not None:
-        if any(d < 0 for d in tensor.shape):
-            raise InvalidRequestError(f"{where}.shape", "dimensions must be >= 0")
-        if math.prod(tensor.shape) != len(flat):
-            raise InvalidRequestError(f"{where}.shape", f"{tensor.shape} holds {math.prod(tensor.shape)} elements "
-                                                        f"but data has {len(flat)}")
+        count = element_count(tensor.shape, where, len(flat))
+        if count != len(flat):
+            raise InvalidRequestError(f"{where}.shape", f"{tensor.shape} holds {count} elements but data has {len(flat)}")
     if tensor.datatype is not None:
         kinds = DATATYPES.get(tensor.datatype)
         if kinds is None:

@@ -11,7 +11,6 @@ way where the request asks (`outputs[i].parameters.binary_data`, else request-le
 from __future__ import annotations
 
 import json
-import math
 import struct
 from typing import Any, NamedTuple
 
@@ -19,6 +18,7 @@ import numpy as np
 
 from app.engine.errors import InvalidRequestError
 from app.protocol.body import check_value, parse_body
+from app.protocol.triton import element_count
 
 HEADER = "Inference-Header-Content-Length"
 # Fixed-size datatypes as numpy reads them; BF16 is the upper half of an FP32, widened on decode.
@@ -94,7 +94,7 @@ def _decode(tensor: dict, raw: bytes, where: str) -> list:
     shape, datatype = tensor.get("shape"), tensor.get("datatype")
     if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
         raise InvalidRequestError(f"{where}.shape", "must be a list of dimensions >= 0 for binary data")
-    count = math.prod(shape)
+    count = element_count(shape, where, len(raw))  # every element takes at least a byte
     if datatype == "BYTES":
         data = _bytes_elements(raw, where)
         if len(data) != count:

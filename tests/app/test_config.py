@@ -22,6 +22,19 @@ def test_defaults_come_from_the_engine():
     assert engine.kv_cache_config.tokens_per_block == EngineConfig().kv_cache_config.tokens_per_block
 
 
+def test_an_app_that_can_take_no_adapter_reserves_no_slots(tmp_path):
+    """Adapters come only from lora_adapters or from paths under lora_roots: without either, the
+    engine gets max_loras 0 (on a GPU, no device slots reserved for adapters), and an adapter
+    registered on it anyway is refused by name."""
+    from app.engine import InvalidRequestError
+    from tests.conftest import make_engine
+
+    assert parse_config({}).engine_config().max_loras == 0
+    assert parse_config({"lora_roots": [str(tmp_path)]}).engine_config().max_loras == EngineConfig.max_loras
+    with pytest.raises(InvalidRequestError, match="max_loras is 0"):
+        make_engine(parse_config({}).engine_config().model, max_loras=0).add_lora("a", tmp_path)
+
+
 @pytest.mark.parametrize("data, key", [
     ({"max_batch_sise": 8}, "max_batch_sise"),
     ({"kv_cache_config": {"tokens_per_blok": 16}}, "kv_cache_config.tokens_per_blok"),

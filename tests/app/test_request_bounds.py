@@ -38,6 +38,8 @@ def test_valid_bodies_pass_whole():
     ({"inputs": [{"name": "text_input", "data": ["hi"]}], "parameters": [1]}, "parameters"),
     ({"inputs": [{"name": "text_input", "data": ["hi"]}], "parameters": "x"}, "parameters"),
     ({"inputs": [{"name": "text_input", "data": ["hi"], "shape": [2, 2]}]}, "inputs.0.shape"),
+    ({"inputs": [{"name": "text_input", "data": ["hi"], "shape": [10 ** 18] * 50_000}]}, "inputs.0.shape"),
+    ({"inputs": [{"name": "text_input", "data": ["hi"], "shape": [10 ** 18] * 8}]}, "inputs.0.shape"),
     ({"inputs": [{"name": "max_tokens", "data": [4.5], "datatype": "INT32"}]}, "inputs.0.data"),
     ({"inputs": [{"name": "max_tokens", "data": [True], "datatype": "INT64"}]}, "inputs.0.data"),
     ({"inputs": [{"name": "max_tokens", "data": [4], "datatype": "INT4"}]}, "inputs.0.datatype"),

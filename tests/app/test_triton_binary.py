@@ -121,6 +121,9 @@ HI_BYTES = struct.pack("<I", 2) + b"Hi"
      "inputs.0.data", "not UTF-8"),
     (*_raw([{**_bytes_input(6), "shape": None}], HI_BYTES), "inputs.0.shape", "dimensions"),
     (*_raw([{**_bytes_input(6), "shape": [-1]}], HI_BYTES), "inputs.0.shape", "dimensions"),
+    # A huge shape costs nothing: too many dimensions, or a product past what the bytes can hold.
+    (*_raw([{**_bytes_input(6), "shape": [10 ** 18] * 9}], HI_BYTES), "inputs.0.shape", "at most 8"),
+    (*_raw([{**_bytes_input(6), "shape": [10 ** 18] * 8}], HI_BYTES), "inputs.0.shape", "more elements than"),
     (*_raw([_int_input(4, shape=(1, 2))], b"\0" * 4), "inputs.0.parameters.binary_data_size",
      "is 4 bytes but [1, 2] of INT32 is 8"),
     (*_raw([_int_input(2, datatype="BOGUS")], b"\0\0"), "inputs.0.datatype", "not a KServe v2 datatype"),

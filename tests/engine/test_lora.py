@@ -309,3 +309,20 @@ def test_a_mixture_of_experts_takes_attention_adapters_and_refuses_mlp_ones(tmp_
                                                   "o_proj only"):
         engine.add_lora("mlp", tmp_path / "mlp")
 
+
+
+@pytest.mark.parametrize("max_batch_size", [1, 16, 256, 272, 512])
+def test_the_decode_graphs_lora_buffer_fits_every_bucket(max_batch_size):
+    """The CUDA graphs' static work-item buffer holds the items of any step in any bucket, the worst
+    case being every slot with a ragged share of the rows (planned on the host, as on CUDA)."""
+    from app.engine.cuda_graphs import bucket_sizes, lora_item_capacity
+    from app.engine.lora import LoRASlots, max_work_items
+
+    slots = LoRASlots.__new__(LoRASlots)  # the planning half only: no device buffers
+    slots.num_slots = 8
+    sizes = bucket_sizes(max_batch_size)
+    capacity = lora_item_capacity(sizes, 8)
+    for size in sizes:
+        worst = [1 + row % 8 for row in range(size)]  # every row adapted, spread over all slots
+        _, items, _ = slots._plan(worst, torch.device("cpu"), max_work_items(size, 8))
+        assert len(items) == max_work_items(size, 8) <= capacity

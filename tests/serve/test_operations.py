@@ -146,6 +146,8 @@ def test_an_adapter_brought_by_path_survives_its_engine_replica(ops, lora_root):
     assert again.status_code == 200, again.text
     assert again.json()["text_output"] == first.json()["text_output"]
     assert ops.post("/v2/models/ensemble/generate", json={**body, "lora_task_id": 4243}).status_code == 400
+    rebound = ops.post("/v2/models/ensemble/generate", json={**body, "lora_path": str(lora_root / "pirate")})
+    assert rebound.status_code == 409, rebound.text
 
 
 def _engine_stats() -> dict:

@@ -97,7 +97,7 @@ def add_lora(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
     k_chunk = triton.cdiv(triton.cdiv(k, splits), block_k) * block_k
     splits = triton.cdiv(k, k_chunk)
     precision = "ieee" if x.dtype == torch.float32 else "tf32"  # float32 models stay exact
-    # Rows padded to 16: every stride of h stays a multiple of 16, one compiled variant whatever T is.
+    # Rows padded to 16: h's split stride stays a multiple of 16, one compiled variant whatever T is.
     h = torch.empty(splits, triton.cdiv(t, 16) * 16, width, dtype=torch.float32, device=x.device)
     _shrink_kernel[(num_items, splits)](
         x, a, order, items, h, k, width, k_chunk, x.stride(0), a.stride(0), a.stride(1), h.stride(0), h.stride(1),

@@ -10,16 +10,16 @@ from ray.serve.handle import DeploymentHandle
 from app.channel import Inbound, Outbound, ReplyTo
 from app.config import ServiceConfig
 from app.engine.llm_engine import merge_outputs
-from app.engine.model_loader import resolve_model_dir
 from app.engine.outputs import CompletionOutput
 from app.protocol.messages import TextChunk, TextOutput, TokenizedJob, TokenText, merge_chunks
 from app.text import IncrementalDetokenizer, Tokenizer
+from deployments.workers import model_dir_on_this_node
 
 
 @serve.deployment(name="Detokenizer")
 class DetokenizerDeployment:
     def __init__(self, config: ServiceConfig, engine: DeploymentHandle):
-        self.tokenizer = Tokenizer(resolve_model_dir(config.model))
+        self.tokenizer = Tokenizer(model_dir_on_this_node(config.model, "the detokenizer"))
         self.engine = engine
         self.inbound = Inbound(ray.util.get_node_ip_address(), merge_outputs)  # from the engines
         self.outbound = Outbound(merge_chunks, config.serve.detokenizer.stream_interval_ms)  # to the Ingresses

@@ -91,6 +91,10 @@ class GrammarCompiler:
         future.add_done_callback(self._done)
         return future
 
+    def shutdown(self) -> None:
+        """Queued compiles are dropped; one running finishes on its own (xgrammar cannot be stopped)."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
     def _done(self, _future: Future) -> None:
         with self._lock:
             self._queued -= 1

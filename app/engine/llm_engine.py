@@ -172,7 +172,8 @@ class LLMEngine:
         return bool(self.requests)  # a request stays until its last step has been read back
 
     def shutdown(self) -> None:
-        """Stop the other ranks of a parallel engine (nothing to do for one device)."""
+        """Stop the other ranks of a parallel engine, and drop the guides waiting to compile."""
+        self.grammars.shutdown()
         self.runner.shutdown()
 
     # -- the step ----------------------------------------------------------------------------------

@@ -134,7 +134,8 @@ class ServiceConfig(_Strict):
     disable_overlap_scheduler: bool = Field(EngineConfig.disable_overlap_scheduler, description="read each step "
                                             "back before queuing the next (overlap is on by default on CUDA)")
     seed: int = EngineConfig.seed
-    max_tokens_default: int = Field(64, ge=1, description="max_tokens when a request names none")
+    max_tokens_default: int | None = Field(None, ge=1, description="max_tokens when a request names none; none: up "
+                                           "to the end of the context, as OpenAI's API does (max_output_len caps it)")
     max_input_len: int | None = Field(EngineConfig.max_input_len, ge=1, description="longest prompt accepted (tokens)")
     max_output_len: int | None = Field(EngineConfig.max_output_len, ge=1, description="largest max_tokens accepted")
     max_return_sequences: int = Field(EngineConfig.max_return_sequences, ge=1, description="largest n, best_of "
@@ -172,7 +173,7 @@ class ServiceConfig(_Strict):
                              f"(this config's backend is {self.backend})")
         if self.backend == "triton" and self.triton is None:
             raise ValueError("backend triton needs a 'triton' section with engine_dir (the built TensorRT-LLM engine)")
-        if self.max_output_len is not None and self.max_tokens_default > self.max_output_len:
+        if None not in (self.max_output_len, self.max_tokens_default) and self.max_tokens_default > self.max_output_len:
             raise ValueError(f"max_tokens_default ({self.max_tokens_default}) exceeds max_output_len "
                              f"({self.max_output_len})")
         if self.world_size > 1 and self.backend == "triton":

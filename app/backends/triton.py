@@ -139,7 +139,7 @@ class TritonBackend:
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        adapter: AdapterRef | None = None):
-        validate_request(prompt_token_ids, params, self.served.limits)
+        params = validate_request(prompt_token_ids, params, self.served.limits)
         inputs = self.inputs(prompt_token_ids, params)
         self.in_flight += 1
         try:

@@ -107,7 +107,7 @@ class TrtllmBackend:
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        adapter: AdapterRef | None = None):
-        validate_request(prompt_token_ids, params, self.served.limits)
+        params = validate_request(prompt_token_ids, params, self.served.limits)
         sampling, lora = self.sampling_params(params), self.lora_request(adapter)
         try:
             result = self.llm.generate_async(prompt_token_ids, sampling_params=sampling, lora_request=lora,

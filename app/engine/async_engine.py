@@ -107,7 +107,7 @@ class AsyncLLMEngine:
                        adapter_id: str | None = None) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs as they are produced; the last has finished=True.
         Raises InvalidRequestError before the first output; leaving the iteration early aborts."""
-        validate_request(prompt_token_ids, params, self.engine.limits)
+        params = validate_request(prompt_token_ids, params, self.engine.limits)
         command = (Command.ADD, (request_id, prompt_token_ids, params, adapter_id, time.time_ns()))
         async for item in stream_request(self, request_id, lambda: self._commands.put(command)):
             yield item

@@ -74,7 +74,7 @@ class EngineProcess:
     # -- the API (AsyncLLMEngine's) ------------------------------------------------------------------
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        adapter_id: str | None = None) -> AsyncIterator:
-        validate_request(prompt_token_ids, params, self.limits)
+        params = validate_request(prompt_token_ids, params, self.limits)
         command = (Command.ADD, (request_id, prompt_token_ids, params, adapter_id, time.time_ns()))
         async for item in stream_request(self, request_id, lambda: self._send(command)):
             yield item

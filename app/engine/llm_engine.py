@@ -88,7 +88,7 @@ class LLMEngine:
         """Queue a request; raises InvalidRequestError (naming the field) for input out of range."""
         if request_id in self.requests:
             raise InvalidRequestError("request_id", f"{request_id!r} is already in flight")
-        validate_request(prompt_token_ids, params, self.limits)
+        params = validate_request(prompt_token_ids, params, self.limits)
         if adapter_id is not None and adapter_id not in self.runner.loras:
             raise InvalidRequestError("adapter", f"LoRA adapter {adapter_id!r} is not loaded; register it first "
                                                  "(with its path) and then send its name")

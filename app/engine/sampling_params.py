@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from app.engine.config import EngineConfig
 from app.engine.errors import InvalidRequestError
@@ -28,7 +28,7 @@ class SamplingParams:
     logits before everything else the sampler does (vLLM's order), and so moves greedy choices too.
     """
 
-    max_tokens: int = 32
+    max_tokens: int | None = 32  # None: up to the end of the context (validate_request fills it in)
     end_id: int | None = None  # None: the model's end-of-sequence ids
     pad_id: int | None = None  # carried for the serving layer's padded outputs
     temperature: float = 1.0
@@ -103,8 +103,9 @@ def _check_token_lists(name: str, seqs: list[list[int]], limits: RequestLimits) 
         _check(all(0 <= t < limits.vocab_size for t in seq), name, f"token ids must be in [0, {limits.vocab_size})")
 
 
-def validate_request(prompt_token_ids: list[int], p: SamplingParams, limits: RequestLimits) -> None:
-    """Raise InvalidRequestError naming the first field out of range."""
+def validate_request(prompt_token_ids: list[int], p: SamplingParams, limits: RequestLimits) -> SamplingParams:
+    """The request's params, max_tokens filled in where it is None (up to the end of the context,
+    within max_output_len and the KV cache); InvalidRequestError naming the first field out of range."""
     n_prompt = len(prompt_token_ids)
     _check(n_prompt > 0, "prompt", "must contain at least one token")
     _check(all(0 <= t < limits.vocab_size for t in prompt_token_ids), "prompt",
@@ -114,6 +115,11 @@ def validate_request(prompt_token_ids: list[int], p: SamplingParams, limits: Req
     if limits.max_input_len is not None:
         _check(n_prompt <= limits.max_input_len, "prompt",
                f"{n_prompt} tokens exceed this server's max_input_len of {limits.max_input_len}")
+    if p.max_tokens is None:
+        room = min(limits.max_seq_len, limits.max_cache_tokens) - n_prompt
+        _check(room >= 1, "prompt", f"{n_prompt} tokens leave no room for output in the KV cache of "
+                                    f"{limits.max_cache_tokens} tokens")
+        p = replace(p, max_tokens=min(room, limits.max_output_len or room))
     _check(p.max_tokens >= 1, "max_tokens", "must be at least 1")
     if limits.max_output_len is not None:
         _check(p.max_tokens <= limits.max_output_len, "max_tokens",
@@ -161,3 +167,4 @@ def validate_request(prompt_token_ids: list[int], p: SamplingParams, limits: Req
                f"the bias of token {token} is not in [-{LOGIT_BIAS_RANGE:g}, {LOGIT_BIAS_RANGE:g}]")
     _check_token_lists("stop_token_ids", p.stop_token_ids, limits)
     _check_token_lists("bad_token_ids", p.bad_token_ids, limits)
+    return p

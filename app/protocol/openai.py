@@ -234,7 +234,7 @@ def _regex_literal(text: str) -> str:
     return "(" + "".join("\\" + c if c in r"\.^$*+?{}[]|()" else c for c in text) + ")"
 
 
-def _job(req: _Request, max_tokens_default: int, logprobs: bool, top_logprobs: int, **prompt) -> GenerationJob:
+def _job(req: _Request, max_tokens_default: int | None, logprobs: bool, top_logprobs: int, **prompt) -> GenerationJob:
     stop = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
     params = SamplingParams(
         max_tokens=req.max_completion_tokens or req.max_tokens or max_tokens_default, temperature=req.temperature,
@@ -245,7 +245,7 @@ def _job(req: _Request, max_tokens_default: int, logprobs: bool, top_logprobs: i
     return GenerationJob(request_id=f"cmpl-{uuid.uuid4().hex}", params=params, stop=stop, api="openai", **prompt)
 
 
-def parse_completion(body: Any, max_tokens_default: int) -> tuple[GenerationJob, CompletionRequest]:
+def parse_completion(body: Any, max_tokens_default: int | None) -> tuple[GenerationJob, CompletionRequest]:
     req = _validate(CompletionRequest, body)
     if isinstance(req.prompt, list) and req.prompt and isinstance(req.prompt[0], str):
         if len(req.prompt) != 1:
@@ -255,7 +255,7 @@ def parse_completion(body: Any, max_tokens_default: int) -> tuple[GenerationJob,
     return _job(req, max_tokens_default, req.logprobs is not None, req.logprobs or 0, **prompt), req
 
 
-def parse_chat(body: Any, max_tokens_default: int) -> tuple[GenerationJob, ChatRequest]:
+def parse_chat(body: Any, max_tokens_default: int | None) -> tuple[GenerationJob, ChatRequest]:
     req = _validate(ChatRequest, body)
     names = [t.function.name for t in req.tools or ()]
     if len(set(names)) < len(names):

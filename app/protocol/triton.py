@@ -105,7 +105,8 @@ class TritonGenerateRequest(BaseModel):
         return [v] if isinstance(v, list) and v and isinstance(v[0], int) else v
 
 
-def parse_generate(model: str, body: Any, served_name: str, max_tokens_default: int) -> tuple[GenerationJob, TritonGenerateRequest]:
+def parse_generate(model: str, body: Any, served_name: str,
+                   max_tokens_default: int | None) -> tuple[GenerationJob, TritonGenerateRequest]:
     """Validate a generate body for `model`; InvalidRequestError names the field at fault."""
     if model not in (served_name, *TEXT_MODELS, IDS_MODEL):
         raise InvalidRequestError("model", f"unknown model '{model}'; this server has "

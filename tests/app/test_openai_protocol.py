@@ -38,6 +38,16 @@ def test_neutral_values_and_labels_pass():
     assert job.prompt == "Hi" and req.user == "u-1" and req.stream_options.include_usage
 
 
+def test_no_max_tokens_means_the_end_of_the_context_unless_the_config_says():
+    """OpenAI's default: a request naming no max_tokens runs to the end of the context (the engine
+    fills it in); a config's max_tokens_default, and max_completion_tokens, come first."""
+    assert ServiceConfig().max_tokens_default is None
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    assert parse_chat(chat, None)[0].params.max_tokens is None
+    assert parse_chat(chat, 64)[0].params.max_tokens == 64
+    assert parse_completion({"model": "m", "prompt": "hi", "max_completion_tokens": 9}, 64)[0].params.max_tokens == 9
+
+
 def test_logprobs_and_logit_bias_reach_the_engine():
     job, _ = parse_chat({**CHAT_ONE, "logprobs": True, "top_logprobs": 3, "logit_bias": {"42": -100, "7": 2.5}}, 16)
     p = job.params

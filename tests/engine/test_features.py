@@ -51,6 +51,22 @@ def test_max_tokens_and_ignore_eos(engine):
     assert len(out.token_ids) == 7 and out.finish_reason == "length"
 
 
+def test_no_max_tokens_runs_to_the_end_of_the_context(tiny_llama_dir):
+    """max_tokens None (OpenAI's default): as many tokens as the context holds after the prompt,
+    within max_output_len; a prompt that fills the context leaves none and is refused."""
+    from app.engine.sampling_params import validate_request
+
+    engine = make_engine(tiny_llama_dir, max_seq_len=48)
+    prompt = random_prompts(1, 20, 20, vocab=256, seed=3)[0]
+    out = engine.generate([prompt], SamplingParams(max_tokens=None, ignore_eos=True, temperature=0.0))[0]
+    assert len(out.outputs[0].token_ids) == 48 - 20 and out.outputs[0].finish_reason == "length"
+    capped = make_engine(tiny_llama_dir, max_seq_len=48, max_output_len=5).limits
+    assert validate_request(prompt, SamplingParams(max_tokens=None), capped).max_tokens == 5
+    small_cache = make_engine(tiny_llama_dir, max_tokens=16, max_seq_len=48).limits
+    with pytest.raises(InvalidRequestError, match="no room for output"):
+        validate_request(prompt, SamplingParams(max_tokens=None), small_cache)
+
+
 def test_bad_words_are_never_produced(engine, greedy_tokens):
     banned = greedy_tokens[2]
     out = _generate(engine, max_tokens=24, temperature=0.0, ignore_eos=True, bad_token_ids=[[banned]]).outputs[0]

@@ -20,6 +20,7 @@ def _write_config(tmp_path_factory, lora_root, **overrides):
     # and Ray's memory monitor kills workers (even the Serve controller) near 95% used.
     config["kv_cache_config"]["max_tokens"] = 8192
     config["max_seq_len"] = 2048
+    config["max_tokens_default"] = 64  # answers that name no max_tokens stay short (shipped: to the context's end)
     config["lora_roots"] = [str(lora_root)]
     config["lora_adapters"] = {"sql": "sql"}
     for key, value in overrides.items():

@@ -135,7 +135,8 @@ class ServiceConfig(_Strict):
                                             "back before queuing the next (overlap is on by default on CUDA)")
     seed: int = EngineConfig.seed
     max_tokens_default: int | None = Field(None, ge=1, description="max_tokens when a request names none; none: up "
-                                           "to the end of the context, as OpenAI's API does (max_output_len caps it)")
+                                           "to the end of the context, as OpenAI's API does (max_output_len caps it; "
+                                           "GUARANTEED_NO_EVICT reserves KV blocks for all of it)")
     max_input_len: int | None = Field(EngineConfig.max_input_len, ge=1, description="longest prompt accepted (tokens)")
     max_output_len: int | None = Field(EngineConfig.max_output_len, ge=1, description="largest max_tokens accepted")
     max_return_sequences: int = Field(EngineConfig.max_return_sequences, ge=1, description="largest n, best_of "

@@ -77,7 +77,13 @@ class EngineDeployment:
         return name
 
     def stats(self) -> dict:
-        return self.backend.stats()
+        stats = self.backend.stats()
+        return {**stats, "healthy": stats["healthy"] and not self._lost_rank()}  # what readiness reads
+
+    def _lost_rank(self) -> bool:
+        # Rank 0 learns of a lost rank only when a step fails: without requests the replica would
+        # pass its health checks for good, and Serve would never place it again on live nodes.
+        return self.launcher is not None and self.launcher.lost_rank()
 
     def placement(self) -> list[dict]:
         """Rank 0 (this replica) and the other ranks: placement group and node of each."""
@@ -91,3 +97,5 @@ class EngineDeployment:
     def check_health(self) -> None:
         if not self.backend.healthy:
             raise RuntimeError(f"the {self.backend.name} engine backend is not healthy")
+        if self._lost_rank():
+            raise RuntimeError("an engine rank has ended (its node lost, or its actor killed)")

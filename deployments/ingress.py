@@ -16,7 +16,7 @@ import ray
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
-from ray.exceptions import RayActorError
+from ray.exceptions import RayActorError, RayTaskError
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 
@@ -37,11 +37,13 @@ api.state.api_key, api.state.max_request_bytes = None, 1 << 20  # the replica se
 
 
 def _behind(exc: BaseException, kind: type[BaseException]) -> BaseException | None:
-    """The `kind` error behind an exception that crossed Ray hops, if there is one."""
+    """The `kind` error behind an exception that crossed Ray hops, if there is one. Ray's wrapper
+    of a remote `kind` error is an instance of `kind` too, but prints the whole remote traceback:
+    the error it wraps (its `cause`) is the one returned."""
     seen = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
-        if isinstance(exc, kind):
+        if isinstance(exc, kind) and not isinstance(exc, RayTaskError):
             return exc
         exc = getattr(exc, "cause", None) or exc.__cause__
     return None

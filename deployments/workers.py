@@ -74,6 +74,11 @@ class PlacementGroupLauncher:
             raise exc.cause from None
         self.runs.append(actor.run.remote({**kwargs, "model_dir": model_dir}))
 
+    def lost_rank(self) -> bool:
+        """Whether a rank has ended while rank 0 runs (its node lost, its actor killed): Ray fails
+        the rank's `run` call, which otherwise returns only when rank 0 stops it."""
+        return bool(self.runs) and bool(ray.wait(self.runs, timeout=0)[0])
+
     def placements(self) -> list[dict]:
         """Where ranks 1..N-1 run (placement group and node id of each), for operators and tests."""
         return ray.get([actor.placement.remote() for actor in self.actors])

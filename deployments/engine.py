@@ -63,10 +63,11 @@ class EngineDeployment:
                                            namespace=ADAPTER_PATHS)
         if recorded is None:
             return adapter
-        if adapter.path is not None and adapter.path != recorded.decode():
+        recorded = recorded.decode()
+        if adapter.path is not None and adapter.path != recorded:
             raise InvalidRequestError(adapter.field, f"LoRA adapter '{adapter.name}' is already bound to another "
                                                      "path; send the new adapter under a new name", status=409)
-        return self.policy.resolve(AdapterRef(adapter.name, recorded.decode(), adapter.field))
+        return self.policy.resolve(AdapterRef(adapter.name, recorded, adapter.field))
 
     def _key(self, name: str) -> str:
         return f"{self.app_name}/{name}"

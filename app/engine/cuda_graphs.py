@@ -38,7 +38,6 @@ class DecodeGraphs:
         self.tables = torch.full((n, max_blocks_per_seq), scratch_block, dtype=torch.int32, device=device)
         self.lens = torch.ones(n, dtype=torch.int32, device=device)
         self.rows = torch.arange(n, device=device)  # which rows give logits: all of them
-        self.with_lora = lora_slots is not None
         self.lora_slots = lora_slots
         self.lora_order = torch.arange(n, device=device)
         self.lora_items = torch.zeros(lora_item_capacity(self.sizes, lora_slots.num_slots) if lora_slots else 1, 3,
@@ -64,6 +63,10 @@ class DecodeGraphs:
                 pool = graph.pool()
                 self.graphs[size, adapted] = graph
         torch.cuda.synchronize(device)
+
+    @property
+    def with_lora(self) -> bool:
+        return self.lora_slots is not None
 
     def _items(self, size: int) -> int:
         return max_work_items(size, self.lora_slots.num_slots)

@@ -95,7 +95,7 @@ class LoRASlots:
         for a, b, offsets in shapes.values():
             for rows in (1, 257):  # the decode and the prefill block sizes
                 x = torch.zeros(rows, a.shape[2], dtype=a.dtype, device=a.device)
-                SlotBatch(self, *self._plan([0] * rows, a.device)).apply_weights(
+                self.batch([0] * rows, a.device).apply_weights(
                     x, torch.zeros(rows, b.shape[1], dtype=a.dtype, device=a.device), a, b, offsets)
 
     def load(self, slot: int, adapter: LoRAAdapter) -> None:
@@ -112,9 +112,6 @@ class LoRASlots:
     def batch(self, row_slots: list[int], device: torch.device, num_items: int | None = None) -> SlotBatch:
         """The step's rows grouped by slot and cut into work items (on the host, where the slots are
         known); `num_items` pads the items to a graph's fixed count."""
-        return SlotBatch(self, *self._plan(row_slots, device, num_items))
-
-    def _plan(self, row_slots: list[int], device: torch.device, num_items: int | None = None):
         block_m = rows_per_block(len(row_slots))
         order = sorted(range(len(row_slots)), key=row_slots.__getitem__)
         counts = [0] * (self.num_slots + 1)
@@ -126,8 +123,8 @@ class LoRASlots:
             items += [(slot, first, end) for first in range(start, end, block_m)]
             start = end
         items += [(0, 0, 0)] * ((num_items or len(items) or 1) - len(items))
-        return (torch.tensor(order).to(device, non_blocking=True),
-                torch.tensor(items, dtype=torch.int32).to(device, non_blocking=True), block_m)
+        return SlotBatch(self, torch.tensor(order).to(device, non_blocking=True),
+                         torch.tensor(items, dtype=torch.int32).to(device, non_blocking=True), block_m)
 
 
 def rows_per_block(num_rows: int) -> int:

@@ -324,5 +324,5 @@ def test_the_decode_graphs_lora_buffer_fits_every_bucket(max_batch_size):
     capacity = lora_item_capacity(sizes, 8)
     for size in sizes:
         worst = [1 + row % 8 for row in range(size)]  # every row adapted, spread over all slots
-        _, items, _ = slots._plan(worst, torch.device("cpu"), max_work_items(size, 8))
+        items = slots.batch(worst, torch.device("cpu"), max_work_items(size, 8)).items
         assert len(items) == max_work_items(size, 8) <= capacity

@@ -46,7 +46,7 @@ class DecodeGraphs:
         self.logits: dict[tuple[int, bool], torch.Tensor] = {}
         pool = None
         for size in reversed(self.sizes):  # largest first, so the smaller ones fit in its memory pool
-            meta = AttentionMetadata(self.slots[:size], size, self.tables[:size], None, [], self.lens[:size])
+            meta = AttentionMetadata(self.slots[:size], size, self.tables[:size], self.lens[:size], None)
             for adapted in (False, True) if self.with_lora else (False,):
                 # Every tensor a graph reads must outlive it: views of the buffers above, never temporaries.
                 lora = SlotBatch(lora_slots, self.lora_order[:size], self.lora_items[:self._items(size)],

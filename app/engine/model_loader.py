@@ -19,6 +19,7 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
+from app.engine.models.kernels import select_kernels
 from app.engine.models.llama import LlamaForCausalLM, ModelConfig
 from app.engine.parallel import SINGLE, ParallelLayout, TensorParallel
 
@@ -124,7 +125,7 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device, max_po
     speed without downloading weights."""
     cfg = read_model_config(model_dir)
     with torch.device(device):
-        model = LlamaForCausalLM(cfg, max_positions, dtype, layout, tp)
+        model = LlamaForCausalLM(cfg, max_positions, dtype, select_kernels(device, dtype), layout, tp)
     if load_format == "dummy":
         with torch.no_grad():
             generator = torch.Generator(device=device).manual_seed(0)

@@ -20,7 +20,7 @@ from app.engine.config import EngineConfig
 from app.engine.cuda_graphs import DecodeGraphs
 from app.engine.lora import LoRACache, LoRASlots
 from app.engine.model_loader import load_model
-from app.engine.models.attention import AttentionMetadata, PrefillChunk, VarlenPrefill, varlen_prefill_supported
+from app.engine.models.attention import AttentionMetadata, PackedPrefills
 from app.engine.parallel import SINGLE, Distributed, ParallelLayout
 
 
@@ -182,24 +182,11 @@ class ModelShard:
         the step already queued, which overlapped steps must not."""
         dev, bs = self.device, self.block_size
 
-        def on_device(t: torch.Tensor) -> torch.Tensor:
-            return t.to(dev, non_blocking=True)
-        decode_mask = decode_lens = decode_tables = None
-        if batch.num_decodes:
-            decode_tables = on_device(batch.decode_tables)
-            if dev.type == "cuda":  # the Triton kernel takes lengths, no mask
-                decode_lens = on_device(batch.decode_lens)
-            else:
-                width = batch.decode_tables.shape[1] * bs
-                decode_mask = (torch.arange(width)[None, :] < batch.decode_lens[:, None])[:, None, None, :]
-        chunks, varlen = [], None
-        if batch.prefills and varlen_prefill_supported(dev, self.dtype):
-            varlen = VarlenPrefill.build(batch.prefills, bs, dev)
-        else:
-            chunks = [PrefillChunk(start, n, context, on_device(torch.tensor(table)))
-                      for start, n, context, table in batch.prefills]
-        meta = AttentionMetadata(on_device(batch.slots), batch.num_decodes, decode_tables, decode_mask, chunks,
-                                 decode_lens, varlen)
+        def on_device(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(dev, non_blocking=True)
+        prefills = PackedPrefills.build(batch.prefills, bs, dev) if batch.prefills else None
+        meta = AttentionMetadata(on_device(batch.slots), batch.num_decodes, on_device(batch.decode_tables),
+                                 on_device(batch.decode_lens), prefills)
         return on_device(batch.input_ids), on_device(batch.positions), meta, on_device(batch.logits_indices)
 
 

@@ -226,16 +226,18 @@ def test_paged_decode_kernel_windows_and_softcaps_against_a_dense_reference():
 
 def test_windowed_varlen_prefill_against_chunk_by_chunk_prefill():
     """Flash attention's window_size=(window - 1, 0) sees what transformers' sliding window sees, over a
-    cached prefix too: the step-wide varlen call against the per-chunk SDPA path, both in bf16."""
-    from app.engine.models.attention import paged_attention, varlen_prefill_supported
+    cached prefix too: CudaKernels' one varlen call against the portable chunk-by-chunk SDPA, in bf16."""
+    from app.engine.models.kernels import CudaKernels, TorchKernels
     from tests.engine.test_models import _prefill_step
 
-    if not varlen_prefill_supported(torch.device("cuda"), torch.bfloat16):
+    device = torch.device("cuda")
+    flash = CudaKernels(device, torch.bfloat16)
+    if flash.flash is None:
         pytest.skip("this torch has no varlen flash attention")
-    q, k, v, k_cache, v_cache, chunks, varlen = _prefill_step(device="cuda", dtype=torch.bfloat16)
+    q, k, v, k_cache, v_cache, meta, _ = _prefill_step(device="cuda", dtype=torch.bfloat16)
     for window in (None, 5, 16):
-        expected = paged_attention(q, k, v, k_cache, v_cache, chunks, 0.25, window)
-        got = paged_attention(q, k, v, k_cache, v_cache, varlen, 0.25, window)
+        expected = TorchKernels(device, torch.bfloat16).attention(q, k, v, k_cache, v_cache, meta, 0.25, window)
+        got = flash.attention(q, k, v, k_cache, v_cache, meta, 0.25, window)
         assert (got.float() - expected.float()).abs().max() < 2e-2, window
 
 

@@ -107,32 +107,41 @@ def test_sliding_window_over_chunked_prefill_and_a_cached_prefix(tmp_path, varia
 
 def _prefill_step(block_size=8, heads=4, kv_heads=2, head_dim=16, device="cpu", dtype=torch.float32):
     """A random cache and one step of two prefill chunks, the second over a 28-token cached prefix:
-    (q, k, v, caches, per-chunk metadata, step-wide varlen metadata)."""
-    from app.engine.models.attention import AttentionMetadata, PrefillChunk, VarlenPrefill
+    (q, k, v, caches, the step's metadata, the chunks as (start, tokens, context, block table))."""
+    from app.engine.models.attention import AttentionMetadata, PackedPrefills
 
     g = torch.Generator().manual_seed(0)
     k_cache, v_cache = (torch.randn(9, block_size, kv_heads, head_dim, generator=g).to(device, dtype) for _ in "kv")
-    prefills = [(0, 20, 20, [0, 1, 2]), (20, 12, 40, [3, 4, 5, 6, 7])]  # (start, tokens, context, block table)
+    prefills = [(0, 20, 20, [0, 1, 2]), (20, 12, 40, [3, 4, 5, 6, 7])]
     slots = torch.cat([(torch.tensor(table)[:, None] * block_size + torch.arange(block_size)).flatten()[ctx - n:ctx]
                        for _, n, ctx, table in prefills]).to(device)
     q = torch.randn(len(slots), heads, head_dim, generator=g).to(device, dtype)
     k, v = (cache.view(-1, kv_heads, head_dim)[slots] for cache in (k_cache, v_cache))
-    chunks = AttentionMetadata(slots, 0, None, None, [PrefillChunk(start, n, ctx, torch.tensor(table, device=device))
-                                                      for start, n, ctx, table in prefills])
-    varlen = AttentionMetadata(slots, 0, None, None, [], None, VarlenPrefill.build(prefills, block_size,
-                                                                                   torch.device(device)))
-    return q, k, v, k_cache, v_cache, chunks, varlen
+    meta = AttentionMetadata(slots, 0, None, None, PackedPrefills.build(prefills, block_size, torch.device(device)))
+    return q, k, v, k_cache, v_cache, meta, prefills
 
 
-def test_softcapped_step_wide_prefill_falls_back_to_chunk_by_chunk():
-    """On CUDA in 16-bit a step's chunks arrive as one VarlenPrefill; softcaps (and windows, on a
-    torch whose flash attention takes none) split it back into its chunks, keys from the cache."""
-    from app.engine.models.attention import paged_attention
+def test_portable_prefill_attention_against_a_dense_reference():
+    """Each chunk's queries see its cached prefix and the chunk causally, within the window, with
+    softcapped logits: the portable path against attention written out query by query."""
+    from app.engine.models.kernels import TorchKernels
 
-    q, k, v, k_cache, v_cache, chunks, varlen = _prefill_step()
-    for window in (None, 16):
-        expected = paged_attention(q, k, v, k_cache, v_cache, chunks, 0.25, window, 4.0)
-        assert torch.equal(paged_attention(q, k, v, k_cache, v_cache, varlen, 0.25, window, 4.0), expected)
+    q, k, v, k_cache, v_cache, meta, prefills = _prefill_step()
+    kernels = TorchKernels(torch.device("cpu"), torch.float32)
+    for window in (None, 5, 16):
+        for softcap in (None, 4.0):
+            out = kernels.attention(q, k, v, k_cache, v_cache, meta, 0.25, window, softcap)
+            for start, n, context, table in prefills:
+                slots = (torch.tensor(table)[:, None] * 8 + torch.arange(8)).flatten()[:context]
+                keys, values = (cache.view(-1, 2, 16)[slots].repeat_interleave(2, 1) for cache in (k_cache, v_cache))
+                for i in range(n):
+                    position = context - n + i
+                    seen = slice(0 if window is None else max(0, position - window + 1), position + 1)
+                    scores = torch.einsum("hd,nhd->hn", q[start + i], keys[seen]) * 0.25
+                    if softcap:
+                        scores = torch.tanh(scores / softcap) * softcap
+                    expected = torch.einsum("hn,nhd->hd", scores.softmax(-1), values[seen])
+                    assert torch.allclose(out[start + i], expected, atol=1e-5), (window, softcap, start, i)
 
 
 def test_gguf_conversion_reproduces_the_gguf_model(smollm2_dir, smollm2_hf):

@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 from triton.testing import do_bench
 
-from app.engine.models.attention import (AttentionMetadata, PrefillChunk, VarlenPrefill, paged_attention,
-                                         varlen_prefill_supported)
+from app.engine.models.attention import AttentionMetadata, PackedPrefills
+from app.engine.models.kernels import CudaKernels, TorchKernels
 from app.engine.models.moe import SparseMoE
 from app.engine.models.triton_attention import paged_decode
 from app.engine.models.triton_fused import add_rms_norm
@@ -106,22 +106,18 @@ def prefill(shape: str, chunks: list[tuple[int, int]], block_size: int = 32) -> 
     v = v_cache.view(-1, kvh, d)[slots]
     starts = [sum(n for n, _ in chunks[:i]) for i in range(len(chunks))]
     host_tables = tables.cpu().tolist()
-    per_chunk = AttentionMetadata(slots, 0, None, None, [
-        PrefillChunk(start, n, n + prefix, torch.tensor(host_tables[i][:-(-(n + prefix) // block_size)],
-                                                        device="cuda"))
-        for i, (start, (n, prefix)) in enumerate(zip(starts, chunks))])
     spec = [(start, n, n + prefix, host_tables[i][:-(-(n + prefix) // block_size)])
             for i, (start, (n, prefix)) in enumerate(zip(starts, chunks))]
-    varlen = VarlenPrefill.build(spec, block_size, torch.device("cuda"))
-    batched = AttentionMetadata(slots, 0, None, None, [], varlen=varlen)
+    meta = AttentionMetadata(slots, 0, None, None, PackedPrefills.build(spec, block_size, torch.device("cuda")))
+    per_chunk, varlen = TorchKernels(q.device, q.dtype), CudaKernels(q.device, q.dtype)
     scale = d ** -0.5
-    ref = paged_attention(q, k, v, k_cache, v_cache, per_chunk, scale)
-    out = paged_attention(q, k, v, k_cache, v_cache, batched, scale)
+    ref = per_chunk.attention(q, k, v, k_cache, v_cache, meta, scale)
+    out = varlen.attention(q, k, v, k_cache, v_cache, meta, scale)
     err = _rel_err(out, ref)
     flops = sum(4 * n * (n / 2 + prefix) * h * d for n, prefix in chunks)
-    one_each = do_bench(lambda: paged_attention(q, k, v, k_cache, v_cache, per_chunk, scale), warmup=25, rep=200,
+    one_each = do_bench(lambda: per_chunk.attention(q, k, v, k_cache, v_cache, meta, scale), warmup=25, rep=200,
                         return_mode="median") * 1e3
-    fused = do_bench(lambda: paged_attention(q, k, v, k_cache, v_cache, batched, scale), warmup=25, rep=200,
+    fused = do_bench(lambda: varlen.attention(q, k, v, k_cache, v_cache, meta, scale), warmup=25, rep=200,
                      return_mode="median") * 1e3
     _row(kernel="prefill", shape=shape, chunks=len(chunks), new=chunks[0][0], prefix=chunks[0][1], varlen_us=fused,
          per_chunk_us=one_each, varlen_tflops=flops / fused / 1e6, rel_err_vs_sdpa=err)
@@ -185,7 +181,7 @@ def _add_norms() -> None:
 
 
 def _prefills() -> None:
-    if not varlen_prefill_supported(torch.device("cuda"), torch.bfloat16):
+    if CudaKernels(torch.device("cuda"), torch.bfloat16).flash is None:
         print("varlen prefill: unsupported by this torch, not timed", flush=True)
         return
     for shape, chunks in (("llama-3.1-8b", [(128, 0)] * 64), ("llama-3.1-8b", [(1000, 0)] * 8),

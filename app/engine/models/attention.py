@@ -1,17 +1,15 @@
-"""Paged attention over the block-structured KV cache.
+"""Paged attention over the block-structured KV cache: the step's metadata, and the attention
+arithmetic every device can run (app/engine/models/kernels.py picks what runs where).
 
-Tokens arrive packed: first the decode tokens (one per sequence), then each prefill chunk.
-Decodes run, on CUDA, as a Triton kernel reading each sequence's own blocks (CUDA-graph safe);
-elsewhere as one batched SDPA over gathered blocks with a length mask. Prefill chunks attend
-causally within the chunk and fully to the cached prefix before it: on CUDA in 16-bit all of a
-step's chunks go through one varlen flash-attention call; elsewhere each chunk runs its own SDPA.
+Tokens arrive packed: first the decode tokens (one per sequence), then each prefill chunk. The
+portable paths here run decodes as one batched SDPA over gathered blocks with a length mask, and
+prefill chunks one SDPA each, causally within the chunk and fully over the cached prefix before it.
 
 A sliding window (Mistral, Gemma 2's alternate layers) lets each query see only the last `window`
 keys, itself included: transformers' `kv_idx > q_idx - window`. Every block of a sequence stays in
 its cache (blocks that fell out of the window are not freed), the paths just skip or mask them.
 Softcapped logits (Gemma 2: tanh(s / cap) * cap before the softmax) are beyond SDPA and torch's
-flash attention: the Triton decode kernel caps them itself, every other path (prefill on every
-device, decode off CUDA) computes such attention explicitly.
+flash attention: such attention is computed op by op, as transformers' eager attention does.
 """
 from __future__ import annotations
 
@@ -24,29 +22,21 @@ import torch.nn.functional as F
 
 
 @dataclass
-class PrefillChunk:
-    start: int  # offset of the chunk's first token in the packed batch
-    num_tokens: int
-    context_len: int  # tokens attended to, cached prefix + this chunk
-    block_table: torch.Tensor  # [num_blocks] covering context_len
-
-
-@dataclass
-class VarlenPrefill:
-    """Every prefill chunk of a step as one varlen call: queries are the step's rows after the
-    decodes, keys each chunk's whole context. Causal masking aligns each chunk's last query with its
-    last key, so a cached prefix is seen in full."""
+class PackedPrefills:
+    """Every prefill chunk of a step: queries are the step's rows after the decodes, keys each
+    chunk's whole context (cached prefix + the chunk), packed in the same order. Flash attention's
+    varlen call reads them as they are; the portable path walks `sizes`."""
 
     cu_q: torch.Tensor  # [chunks + 1] int32 offsets of each chunk's queries
     cu_k: torch.Tensor  # [chunks + 1] int32 offsets of each chunk's keys
     max_q: int
     max_k: int
     kv_slots: torch.Tensor | None  # cache slots of every chunk's keys; None: no prefix, the step's own keys
-    sizes: list[tuple[int, int]]  # (num_tokens, context_len) per chunk, on the host: the per-chunk fallback
+    sizes: list[tuple[int, int]]  # (num_tokens, context_len) per chunk, on the host
 
     @classmethod
     def build(cls, prefills: list[tuple[int, int, int, list[int]]], block_size: int,
-              device: torch.device) -> VarlenPrefill:
+              device: torch.device) -> PackedPrefills:
         """prefills: (start, num_tokens, context_len, block table) per chunk, in row order."""
         news, contexts = [p[1] for p in prefills], [p[2] for p in prefills]
         kv_slots = None
@@ -61,15 +51,30 @@ class VarlenPrefill:
         return cls(cumulative(news), cumulative(contexts), max(news), max(contexts), kv_slots,
                    list(zip(news, contexts)))
 
+    def keys(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor):
+        """Every chunk's context keys and values, packed: the step's own where no chunk has a prefix."""
+        if self.kv_slots is None:
+            return k, v
+        return (cache.view(-1, k.shape[1], k.shape[2]).index_select(0, self.kv_slots) for cache in (k_cache, v_cache))
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [num_tokens] cache slot written by each token
+    num_decodes: int
+    decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks] int32
+    decode_context_lens: torch.Tensor | None  # [num_decodes] int32
+    prefills: PackedPrefills | None
+
 
 @functools.cache
-def _flash_varlen():
+def flash_varlen():
     """torch's varlen flash attention as f(q, k, v, cu_q, cu_k, max_q, max_k, scale, window), causal, or
     None where this torch has none. Its causal mask is aligned at each sequence's end (flash attention's
     convention), so a chunk's queries see its whole cached prefix. The keyword that asks for causal
     masking moved between torch releases: `is_causal`, later `window_size=(-1, 0)`. Only the latter
     takes a sliding window, `(window - 1, 0)`: that many keys left of the query, and the query's own
-    (f.windowed says which; without it, windowed chunks take the per-chunk path)."""
+    (f.windowed says which; without it, windowed chunks take the portable path)."""
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
@@ -87,78 +92,36 @@ def _flash_varlen():
     return attend
 
 
-def varlen_prefill_supported(device: torch.device, dtype: torch.dtype) -> bool:
-    return device.type == "cuda" and dtype in (torch.bfloat16, torch.float16) and _flash_varlen() is not None
-
-
-@dataclass
-class AttentionMetadata:
-    slot_mapping: torch.Tensor  # [num_tokens] cache slot written by each token
-    num_decodes: int
-    decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks]
-    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size] (portable path)
-    prefills: list[PrefillChunk]
-    decode_context_lens: torch.Tensor | None = None  # [num_decodes] int32: the CUDA kernel's path
-    varlen: VarlenPrefill | None = None  # set instead of `prefills` where the varlen kernel runs
-
-
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slots: torch.Tensor) -> None:
-    """Write the step's keys and values into their cache slots (on CUDA the rotary kernel does this)."""
+    """Write the step's keys and values into their cache slots."""
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
     k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, k)
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, v)
 
 
-def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, window: int | None = None,
-                    softcap: float | None = None) -> torch.Tensor:
-    """q: [T, H, D]; k, v: [T, KVH, D], already in the caches [num_blocks, block_size, KVH, D].
-    window: keys each query sees, itself included (None: all before it); softcap: tanh(s / cap) * cap
-    on the scaled logits. Returns [T, H, D]."""
-    nd = meta.num_decodes
-    on_cuda = nd and meta.decode_context_lens is not None  # the Triton kernel takes lengths, no mask
-    if on_cuda:
-        from app.engine.models.triton_attention import paged_decode
-        decode = paged_decode(q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale,
-                              window, softcap)
-        if nd == q.shape[0]:  # decode-only step: the kernel's output is the answer, no copy
-            return decode
-    if meta.varlen is not None:
-        prefill = _varlen_prefill(q[nd:], k[nd:], v[nd:], k_cache, v_cache, meta.varlen, scale, window, softcap)
-        return torch.cat([decode, prefill]) if nd else prefill
-    out = torch.empty_like(q)
-    if on_cuda:
-        out[:nd] = decode
-    elif nd:
-        keys = _gather(k_cache, meta.decode_block_tables)  # [B, KVH, L, D]
-        values = _gather(v_cache, meta.decode_block_tables)
-        mask = meta.decode_mask
-        if window is not None:  # each sequence's last `window` keys, its newest one included
-            mask = mask & (torch.arange(mask.shape[-1], device=q.device) >= mask.sum(-1, keepdim=True) - window)
-        out[:nd] = _attend(q[:nd].unsqueeze(2), keys, values, mask, scale, softcap).squeeze(2)
-    for chunk in meta.prefills:
-        rows = slice(chunk.start, chunk.start + chunk.num_tokens)
-        if chunk.context_len == chunk.num_tokens:  # no cached prefix: this chunk's own k, v suffice
-            kc, vc = k[rows], v[rows]
-        else:
-            kc = k_cache.index_select(0, chunk.block_table).flatten(0, 1)[:chunk.context_len]
-            vc = v_cache.index_select(0, chunk.block_table).flatten(0, 1)[:chunk.context_len]
-        out[rows] = _chunk_attention(q[rows], kc, vc, scale, window, softcap)
-    return out
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                     scale: float, window: int | None, softcap: float | None) -> torch.Tensor:
+    """q: [num_decodes, H, D], one query per sequence at the end of its context: one batched
+    attention over each sequence's gathered blocks, masked to its length (and window)."""
+    keys = _gather(k_cache, meta.decode_block_tables)  # [B, KVH, L, D]
+    values = _gather(v_cache, meta.decode_block_tables)
+    lens = meta.decode_context_lens[:, None].long()
+    positions = torch.arange(keys.shape[2], device=q.device)[None, :]
+    mask = positions < lens
+    if window is not None:  # each sequence's last `window` keys, its newest one included
+        mask &= positions >= lens - window
+    return _attend(q.unsqueeze(2), keys, values, mask[:, None, None, :], scale, softcap).squeeze(2)
 
 
-def _varlen_prefill(q, k, v, k_cache, v_cache, varlen: VarlenPrefill, scale: float, window: int | None,
-                    softcap: float | None) -> torch.Tensor:
-    if varlen.kv_slots is not None:  # some chunk has a cached prefix: every chunk's keys from the cache
-        k = k_cache.view(-1, k.shape[1], k.shape[2]).index_select(0, varlen.kv_slots)
-        v = v_cache.view(-1, v.shape[1], v.shape[2]).index_select(0, varlen.kv_slots)
-    flash = _flash_varlen()
-    if softcap is None and (window is None or flash.windowed):
-        return flash(q, k, v, varlen.cu_q, varlen.cu_k, varlen.max_q, varlen.max_k, scale, window)
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                      v_cache: torch.Tensor, prefills: PackedPrefills, scale: float, window: int | None,
+                      softcap: float | None) -> torch.Tensor:
+    """q, k, v: the prefill rows of the step (k, v already in the caches). Chunk by chunk."""
+    k, v = prefills.keys(k, v, k_cache, v_cache)
     out = torch.empty_like(q)
-    row = key = 0  # chunk by chunk: k, v hold each chunk's context in turn, as flash attention reads them
-    for num_tokens, context_len in varlen.sizes:
+    row = key = 0
+    for num_tokens, context_len in prefills.sizes:
         out[row:row + num_tokens] = _chunk_attention(q[row:row + num_tokens], k[key:key + context_len],
                                                      v[key:key + context_len], scale, window, softcap)
         row, key = row + num_tokens, key + context_len

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from app.engine.models.kernels import TorchKernels
 from app.engine.parallel import SINGLE, TensorParallel
 
 
@@ -55,8 +56,7 @@ class MergedLinear(nn.Module):
             self.load_shard(name, part, shard)
 
     def pack_for_cpu(self) -> None:
-        """Reorder the weight into oneDNN's blocked layout once. On the 2-core dev CPU this halves
-        small-batch matmul time against the plain layout (see docs/PERFORMANCE.md)."""
+        """Reorder the weight into oneDNN's blocked layout once (where TorchKernels.packs_linears)."""
         self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, 64)
 
     def forward(self, x: torch.Tensor, lora=None) -> torch.Tensor:
@@ -75,11 +75,6 @@ class MergedLinear(nn.Module):
         return y
 
 
-def cpu_packing_available(dtype: torch.dtype, device: torch.device) -> bool:
-    return (device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
-
-
 class Linear(MergedLinear):
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
                  tp: TensorParallel = SINGLE, parallel: str | None = None):
@@ -89,12 +84,11 @@ class Linear(MergedLinear):
 class RMSNorm(nn.Module):
     """unit_offset (Gemma): checkpoints hold w and the norm scales by 1 + w, in float32 and rounded once
     (transformers' Gemma2RMSNorm). The weight holds 1 + w in float32, added once at load, so 1 + w is
-    never rounded to 16 bits and the fused CUDA add + norm kernel (float32, one rounding) computes
-    Gemma's norm as it is; the unfused path normalises in float32 for it."""
+    never rounded to 16 bits, and the norm runs in float32 for it."""
 
-    def __init__(self, size: int, eps: float, dtype: torch.dtype, unit_offset: bool = False):
+    def __init__(self, size: int, eps: float, dtype: torch.dtype, kernels: TorchKernels, unit_offset: bool = False):
         super().__init__()
-        self.eps, self.unit_offset = eps, unit_offset
+        self.eps, self.unit_offset, self.kernels = eps, unit_offset, kernels
         self.weight = nn.Parameter(torch.ones(size, dtype=torch.float32 if unit_offset else dtype),
                                    requires_grad=False)
 
@@ -103,26 +97,10 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """RMSNorm(x); or, given the residual stream, adds x to it in place and returns
-        (RMSNorm(residual), residual): on CUDA one kernel does both."""
+        (RMSNorm(residual), residual)."""
         if residual is None:
-            return self._norm(x)
-        if x.is_cuda:
-            from app.engine.models.triton_fused import add_rms_norm
-            return add_rms_norm(x, residual, self.weight, self.eps), residual
-        return self._norm(residual.add_(x)), residual
-
-    def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        if self.unit_offset:
-            return F.rms_norm(x.float(), self.weight.shape, self.weight, self.eps).to(x.dtype)
-        # One fused kernel. In float32 it is the same arithmetic as below; in 16-bit on CUDA it
-        # rounds once instead of before the weight (within bf16 tolerance), for a fraction of the
-        # seven kernels below, which bound a small decode step.
-        if x.dtype == torch.float32 or x.is_cuda:
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        # In float32 and cast back before the weight, exactly as transformers' LlamaRMSNorm.
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+            return self.kernels.rms_norm(x, self.weight, self.eps, self.unit_offset)
+        return self.kernels.add_rms_norm(x, residual, self.weight, self.eps, self.unit_offset), residual
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
@@ -159,19 +137,3 @@ class RotaryEmbedding(nn.Module):
     def table(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin for the step's tokens, [T, 1, D]: looked up once per step, used by every layer."""
         return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
-
-
-def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def grouped_gemm_native(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether torch._grouped_mm (experts, LoRA slots) is one kernel reading its segment ends on the
-    device: bf16 on Hopper and later. Elsewhere it loops over the groups from the host, which a CUDA
-    graph cannot capture."""
-    return device.type == "cuda" and dtype == torch.bfloat16 and torch.cuda.get_device_capability(device) >= (9, 0)

@@ -8,9 +8,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from app.engine.models.attention import AttentionMetadata, paged_attention, store_kv
-from app.engine.models.layers import (Linear, MergedLinear, RMSNorm, RotaryEmbedding, apply_rotary,
-                                      cpu_packing_available, grouped_gemm_native)
+from app.engine.models.attention import AttentionMetadata
+from app.engine.models.kernels import TorchKernels
+from app.engine.models.layers import Linear, MergedLinear, RMSNorm, RotaryEmbedding
 from app.engine.models.moe import SparseMoE
 from app.engine.parallel import SINGLE, ParallelLayout, TensorParallel
 
@@ -108,8 +108,9 @@ def _layer_windows(model_type: str, d: dict) -> tuple[int | None, ...]:
 class Attention(nn.Module):
     """Under tensor parallelism each rank holds num_heads / tp query heads and their KV heads."""
 
-    def __init__(self, cfg: ModelConfig, layer: int, dtype: torch.dtype, tp: TensorParallel):
+    def __init__(self, cfg: ModelConfig, layer: int, dtype: torch.dtype, tp: TensorParallel, kernels: TorchKernels):
         super().__init__()
+        self.kernels = kernels
         self.num_heads, self.num_kv_heads = cfg.num_heads // tp.size, cfg.num_kv_heads // tp.size
         self.head_dim = cfg.head_dim
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
@@ -118,37 +119,28 @@ class Attention(nn.Module):
         self.split = (q_size // tp.size, kv_size // tp.size, kv_size // tp.size)
         self.scale = (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
         self.window, self.softcap = cfg.layer_windows[layer], cfg.attn_logit_softcapping
-        half = cfg.head_dim // 2
-        self.fusable = cfg.head_dim % 2 == 0 and half & (half - 1) == 0  # the fused kernel's tile is a power of 2
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, kernels) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, kernels) if cfg.qk_norm else None
 
     def forward(self, x, rope, kv_cache, meta: AttentionMetadata, lora):
         qkv = self.qkv_proj(x, lora)
         t = x.shape[0]
-        if self.q_norm is not None:  # in place, so both paths below rotate the normed heads
+        if self.q_norm is not None:  # in place, so the rotation below takes the normed heads
             q_size, kv_size = self.split[0], self.split[1]
             q = qkv[:, :q_size].view(t, self.num_heads, self.head_dim)
             k = qkv[:, q_size:q_size + kv_size].view(t, self.num_kv_heads, self.head_dim)
             q.copy_(self.q_norm(q))
             k.copy_(self.k_norm(k))
-        if qkv.is_cuda and self.fusable:  # rotate q, k in place and write k, v to the cache: one kernel
-            from app.engine.models.triton_fused import rotary_store
-            q, k, v = rotary_store(qkv, self.num_heads, self.num_kv_heads, *rope, kv_cache[0], kv_cache[1],
-                                   meta.slot_mapping)
-        else:
-            q, k, v = qkv.split(self.split, dim=-1)
-            q, k = apply_rotary(q.view(t, self.num_heads, self.head_dim),
-                                k.view(t, self.num_kv_heads, self.head_dim), *rope)
-            v = v.view(t, self.num_kv_heads, self.head_dim)
-            store_kv(k, v, kv_cache[0], kv_cache[1], meta.slot_mapping)
-        o = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.window, self.softcap)
+        q, k, v = self.kernels.rotary_store(qkv, self.num_heads, self.num_kv_heads, *rope, kv_cache[0], kv_cache[1],
+                                            meta.slot_mapping)
+        o = self.kernels.attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.window, self.softcap)
         return self.o_proj(o.view(t, -1), lora)
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, tp: TensorParallel):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, tp: TensorParallel, kernels: TorchKernels):
         super().__init__()
+        self.kernels = kernels
         self.gate_up_proj = MergedLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, False, dtype, tp, "column")
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, False, dtype, tp, "row")
         self.gelu = cfg.hidden_act == "gelu_pytorch_tanh"
@@ -158,28 +150,24 @@ class MLP(nn.Module):
         if self.gelu:
             gate, up = gate_up.chunk(2, dim=-1)
             return self.down_proj(F.gelu(gate, approximate="tanh").mul_(up), lora)
-        if gate_up.is_cuda:
-            from app.engine.models.triton_fused import silu_mul
-            return self.down_proj(silu_mul(gate_up), lora)
-        gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate).mul_(up), lora)
+        return self.down_proj(self.kernels.silu_mul(gate_up), lora)
 
 
 class DecoderLayer(nn.Module):
     """Gemma 2 norms each sublayer's output too: post_attention_layernorm is then a plain norm of the
     attention output, and pre_feedforward_layernorm takes the residual add before the MLP."""
 
-    def __init__(self, cfg: ModelConfig, layer: int, dtype: torch.dtype, tp: TensorParallel):
+    def __init__(self, cfg: ModelConfig, layer: int, dtype: torch.dtype, tp: TensorParallel, kernels: TorchKernels):
         super().__init__()
         def norm():
-            return RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, unit_offset=cfg.gemma_norms)
+            return RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, kernels, unit_offset=cfg.gemma_norms)
         self.input_layernorm = norm()
-        self.self_attn = Attention(cfg, layer, dtype, tp)
+        self.self_attn = Attention(cfg, layer, dtype, tp, kernels)
         self.post_attention_layernorm = norm()
         self.pre_feedforward_layernorm = norm() if cfg.gemma_norms else None
         self.post_feedforward_layernorm = norm() if cfg.gemma_norms else None
         self.mlp = SparseMoE(cfg.hidden_size, cfg.intermediate_size, cfg.num_experts, cfg.experts_per_token, dtype, tp) \
-            if cfg.num_experts else MLP(cfg, dtype, tp)
+            if cfg.num_experts else MLP(cfg, dtype, tp, kernels)
 
     def forward(self, x, residual, rope, kv_cache, meta, lora):
         """x: the previous layer's MLP output, added here to the residual stream (None before the
@@ -210,11 +198,11 @@ class LlamaForCausalLM(nn.Module):
                    "down_proj": ("mlp.down_proj", 0)}
     FUSED = ("qkv_proj", "gate_up_proj")
 
-    def __init__(self, cfg: ModelConfig, max_positions: int, dtype: torch.dtype,
+    def __init__(self, cfg: ModelConfig, max_positions: int, dtype: torch.dtype, kernels: TorchKernels,
                  layout: ParallelLayout = ParallelLayout(), tp: TensorParallel = SINGLE):
         super().__init__()
         layout.check_model(cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size, cfg.num_layers)
-        self.config = cfg
+        self.config, self.kernels = cfg, kernels
         self.is_first, self.is_last = layout.is_first_stage, layout.is_last_stage
         self.layer_ids = layout.stage_layers(cfg.num_layers)  # global indices of this stage's layers
         if self.is_first:
@@ -223,30 +211,28 @@ class LlamaForCausalLM(nn.Module):
         # Gemma scales embeddings by sqrt(hidden) rounded to the model's dtype, as transformers does.
         self.register_buffer("embed_scale", torch.tensor(cfg.hidden_size ** 0.5).to(dtype)
                              if cfg.gemma_norms and self.is_first else None, persistent=False)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, index, dtype, tp) for index in self.layer_ids)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, index, dtype, tp, kernels) for index in self.layer_ids)
         for index, layer in zip(self.layer_ids, self.layers):
             for path, module in layer.named_modules():
                 if isinstance(module, MergedLinear):
                     module.lora_key = (index, path)
         self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
         if self.is_last:
-            self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, unit_offset=cfg.gemma_norms)
+            self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, kernels, unit_offset=cfg.gemma_norms)
             self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, False, dtype)
             if cfg.tie_word_embeddings and self.is_first:
                 self.lm_head.weight = self.embed_tokens.weight
 
     def finish_loading(self) -> None:
-        """Weights are in place: prepare the device-specific layouts."""
-        weight = next(self.parameters())
-        if cpu_packing_available(weight.dtype, weight.device):
+        """Weights are in place: prepare the kernels' layouts."""
+        if self.kernels.packs_linears:
             for module in self.modules():
                 if isinstance(module, MergedLinear):
                     module.pack_for_cpu()
 
     def graph_capturable(self) -> bool:
         """Whether a decode step runs without the host, as a CUDA graph needs."""
-        weight = next(self.parameters())
-        return not self.config.num_experts or grouped_gemm_native(weight.device, weight.dtype)
+        return not self.config.num_experts or self.kernels.grouped_gemm_on_device
 
     def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata, logits_indices, lora=None,
                 hidden=None):

@@ -1,0 +1,128 @@
+"""The kernels a model's layers run, chosen once when the model is built (`select_kernels`). The
+layers call the object they were given and never ask which device they are on.
+
+- `TorchKernels`, anywhere: torch ops as transformers computes them, attention through SDPA
+  (app/engine/models/attention.py); on CPU in float32 the linear weights are packed for oneDNN.
+- `CudaKernels`: Triton kernels for decode attention (paged, CUDA-graph safe), the rotary
+  embedding fused with the cache write, SiLU * up, and the residual add fused with RMSNorm; in
+  16-bit a step's prefill chunks go through one varlen flash-attention call.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from app.engine.models.attention import (AttentionMetadata, decode_attention, flash_varlen, prefill_attention,
+                                         store_kv)
+
+
+class TorchKernels:
+    def __init__(self, device: torch.device, dtype: torch.dtype):
+        # oneDNN's blocked weight layout: on the 2-core dev CPU it halves small-batch matmul time.
+        self.packs_linears = (device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
+                              and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+        # torch._grouped_mm (experts) as one kernel reading its segment ends on the device: without
+        # it the groups are looped over from the host, which a CUDA graph cannot capture.
+        self.grouped_gemm_on_device = False
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, in_float32: bool) -> torch.Tensor:
+        """in_float32 (Gemma): normalise and scale in float32, round once."""
+        if in_float32:
+            return F.rms_norm(x.float(), weight.shape, weight, eps).to(x.dtype)
+        if x.dtype == torch.float32:  # one fused op, the same arithmetic as below
+            return F.rms_norm(x, weight.shape, weight, eps)
+        # In float32 and cast back before the weight, exactly as transformers' LlamaRMSNorm.
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+        return weight * h.to(x.dtype)
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                     in_float32: bool) -> torch.Tensor:
+        """residual += x, in place; returns the norm of the sum."""
+        return self.rms_norm(residual.add_(x), weight, eps, in_float32)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate).mul_(up)
+
+    def rotary_store(self, qkv: torch.Tensor, num_heads: int, num_kv_heads: int, cos: torch.Tensor,
+                     sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor):
+        """Split qkv [T, (H + 2 KVH) * D] into q [T, H, D], k, v [T, KVH, D], rotate q and k (cos, sin:
+        [T, 1, D]) and write k and v into their cache slots."""
+        t, head_dim = qkv.shape[0], k_cache.shape[-1]
+        q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+        q, k = _rotate(q.view(t, num_heads, head_dim), cos, sin), _rotate(k.view(t, num_kv_heads, head_dim), cos, sin)
+        v = v.view(t, num_kv_heads, head_dim)
+        store_kv(k, v, k_cache, v_cache, slots)
+        return q, k, v
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                  v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, window: int | None = None,
+                  softcap: float | None = None) -> torch.Tensor:
+        """q: [T, H, D]; k, v: [T, KVH, D], already in the caches [num_blocks, block_size, KVH, D].
+        window: keys each query sees, itself included (None: all before it); softcap: tanh(s / cap) * cap
+        on the scaled logits. Returns [T, H, D]."""
+        nd = meta.num_decodes
+        parts = []
+        if nd:
+            parts.append(self._decode(q[:nd], k_cache, v_cache, meta, scale, window, softcap))
+        if meta.prefills is not None:
+            parts.append(self._prefill(q[nd:], k[nd:], v[nd:], k_cache, v_cache, meta, scale, window, softcap))
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def _decode(self, q, k_cache, v_cache, meta, scale, window, softcap):
+        return decode_attention(q, k_cache, v_cache, meta, scale, window, softcap)
+
+    def _prefill(self, q, k, v, k_cache, v_cache, meta, scale, window, softcap):
+        return prefill_attention(q, k, v, k_cache, v_cache, meta.prefills, scale, window, softcap)
+
+
+class CudaKernels(TorchKernels):
+    def __init__(self, device: torch.device, dtype: torch.dtype):
+        super().__init__(device, dtype)
+        self.grouped_gemm_on_device = dtype == torch.bfloat16 and torch.cuda.get_device_capability(device) >= (9, 0)
+        self.flash = flash_varlen() if dtype in (torch.bfloat16, torch.float16) else None
+        # Imported here: Triton compiles for a GPU, and a CPU-only install may lack it.
+        from app.engine.models import triton_attention, triton_fused
+        self.triton_attention, self.triton_fused = triton_attention, triton_fused
+
+    def rms_norm(self, x, weight, eps, in_float32):
+        if in_float32:
+            return super().rms_norm(x, weight, eps, in_float32)
+        # One kernel; in 16-bit it rounds once instead of before the weight (within bf16 tolerance),
+        # for a fraction of the seven kernels of the unfused norm, which bound a small decode step.
+        return F.rms_norm(x, weight.shape, weight, eps)
+
+    def add_rms_norm(self, x, residual, weight, eps, in_float32):
+        # float32 inside, one rounding: with a float32 weight (Gemma's 1 + w) that is Gemma's norm too.
+        return self.triton_fused.add_rms_norm(x, residual, weight, eps)
+
+    def silu_mul(self, gate_up):
+        return self.triton_fused.silu_mul(gate_up)
+
+    def rotary_store(self, qkv, num_heads, num_kv_heads, cos, sin, k_cache, v_cache, slots):
+        half = k_cache.shape[-1] // 2
+        if half & (half - 1):  # the fused kernel's tile is a power of 2
+            return super().rotary_store(qkv, num_heads, num_kv_heads, cos, sin, k_cache, v_cache, slots)
+        return self.triton_fused.rotary_store(qkv, num_heads, num_kv_heads, cos, sin, k_cache, v_cache, slots)
+
+    def _decode(self, q, k_cache, v_cache, meta, scale, window, softcap):
+        return self.triton_attention.paged_decode(q, k_cache, v_cache, meta.decode_block_tables,
+                                                  meta.decode_context_lens, scale, window, softcap)
+
+    def _prefill(self, q, k, v, k_cache, v_cache, meta, scale, window, softcap):
+        if self.flash is None or softcap is not None or (window is not None and not self.flash.windowed):
+            return super()._prefill(q, k, v, k_cache, v_cache, meta, scale, window, softcap)
+        p = meta.prefills
+        k, v = p.keys(k, v, k_cache, v_cache)
+        return self.flash(q, k, v, p.cu_q, p.cu_k, p.max_q, p.max_k, scale, window)
+
+
+def select_kernels(device: torch.device, dtype: torch.dtype) -> TorchKernels:
+    return CudaKernels(device, dtype) if device.type == "cuda" else TorchKernels(device, dtype)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin

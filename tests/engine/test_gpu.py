@@ -242,7 +242,9 @@ def test_windowed_varlen_prefill_against_chunk_by_chunk_prefill():
 
 
 # transformers 5.17 (the GPU image's) continues one 142-token Gemma 2 prompt differently from 5.24
-# (requirements.txt), which agrees with our CPU and CUDA paths alike: run with 5.24 installed.
+# (requirements.txt), which agrees with our CPU and CUDA paths alike: run with 5.24 installed. On
+# the device machine: carry the transformers 5.24 and tokenizers 0.23 wheels, `pip install --no-deps
+# --target /tmp/tf` them and put /tmp/tf first on PYTHONPATH (it passed so on an H200, 2026-11-27).
 OLD_TRANSFORMERS = pytest.mark.skipif(
     tuple(int(p) for p in __import__("transformers").__version__.split(".")[:2]) < (5, 24),
     reason="Gemma 2 reference needs transformers >= 5.24")

@@ -60,10 +60,11 @@ def engine_command(args) -> dict:
 
         from tools.bench.adapters import make_adapters
         names = list(make_adapters(engine.model_dir, Path(tempfile.mkdtemp()), args.adapters, args.lora_rank).items())
-        for name, path in names:
-            engine.add_lora(name, path)
+        load_times = _adapter_load_times(engine, names)
         wl.adapters = [names[i % len(names)][0] for i in range(wl.num_requests)]
         results.append(run_engine(engine, wl, f"ours, {args.adapters} adapters (rank {args.lora_rank})"))
+        results[-1].extra = {**(results[-1].extra or {}), **load_times}
+        print(", ".join(f"{key} {value:.1f}" for key, value in load_times.items()), flush=True)
         wl.adapters = None
     if "hf" in args.compare:
         from tools.bench.hf_baseline import load_hf, run_sequential, run_static_batches
@@ -81,6 +82,31 @@ def engine_command(args) -> dict:
         "model_dir": str(engine.model_dir), "dtype": str(engine.runner.shard.dtype),
         "results": [r.as_dict() for r in results],
     }
+
+
+def _adapter_load_times(engine: LLMEngine, names: list[tuple[str, Path]]) -> dict:
+    """Registers the adapters, timing each (read, checked, folded; pinned where they go to device
+    slots), and where slots exist times one copy into a slot: what a step pays when it brings an
+    adapter that is not resident. Medians, in ms."""
+    import statistics
+
+    register = []
+    for name, path in names:
+        start = time.perf_counter()
+        engine.add_lora(name, path)
+        register.append(time.perf_counter() - start)
+    times = {"adapter_register_ms_p50": statistics.median(register) * 1e3}
+    loras = engine.runner.loras
+    if loras.slots is not None:  # slot 1, before any step made an adapter resident there
+        copies = []
+        for name, _ in names[:8]:
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            loras.slots.load(1, loras.host[name])
+            torch.cuda.synchronize()
+            copies.append(time.perf_counter() - start)
+        times["adapter_slot_copy_ms_p50"] = statistics.median(copies) * 1e3
+    return times
 
 
 def serve_command(args) -> dict:

@@ -1,7 +1,7 @@
 """Async front of the engine for the serving layer: the model steps in its own thread.
 
-Loop (one thread, the only one touching LLMEngine):
-  1. apply queued commands (add, abort) in arrival order;
+Loop (one thread, the only one touching LLMEngine's state):
+  1. apply queued commands (add, abort, add adapter) in arrival order;
   2. if nothing is in flight, block until a command arrives;
   3. run one step;
   4. publish a stats snapshot (when idle, else at most every STATS_INTERVAL_S): other threads read
@@ -10,7 +10,9 @@ Loop (one thread, the only one touching LLMEngine):
 A step that raises fails the requests it computed (EngineStepError, see LLMEngine.step); when steps
 keep failing the loop dies: every open stream gets EngineDeadError and `healthy` turns false.
 A step that runs longer than `step_timeout_s` makes `healthy` false too (a stuck loop), so the
-serving layer can have the replica replaced.
+serving layer can have the replica replaced. An adapter is read, checked and folded on a loader
+thread (LLMEngine.prepare_lora, hundreds of ms on the 8B shape) and only registered by the loop, so
+running streams do not wait for it.
 """
 from __future__ import annotations
 
@@ -94,6 +96,8 @@ class AsyncLLMEngine:
         self.step_timeout_s = step_timeout_s
         self._step_started: float | None = None  # monotonic start of the step in progress
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        # One thread: adapters are prepared, and so registered, in the order they were asked for.
+        self._loader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="adapter-loader")
         self._streams: dict[str, _Stream] = {}
         self._lock = threading.Lock()
         self._dead: BaseException | None = None
@@ -113,11 +117,13 @@ class AsyncLLMEngine:
             yield item
 
     async def add_lora(self, name: str, path: str) -> None:
-        """Register an adapter on the loop thread (the only one touching the engine)."""
+        """Prepare an adapter on the loader thread, then register it on the loop thread."""
+        self._raise_if_dead()
+        prepared = await asyncio.wrap_future(self._loader.submit(self.engine.prepare_lora, name, path))
         done: concurrent.futures.Future = concurrent.futures.Future()
         with self._lock:  # the loop's death fails what is queued under this lock: nothing waits forever
             self._raise_if_dead()
-            self._commands.put((Command.ADD_LORA, (name, path, done)))
+            self._commands.put((Command.ADD_LORA, (name, path, prepared, done)))
         await asyncio.wrap_future(done)
 
     def _raise_if_dead(self) -> None:
@@ -142,6 +148,7 @@ class AsyncLLMEngine:
     def shutdown(self) -> None:
         self._commands.put((Command.STOP, None))
         self._thread.join(timeout=30)
+        self._loader.shutdown(wait=False, cancel_futures=True)
         if not self._thread.is_alive():  # the loop thread is the only one that touches the engine
             self.engine.shutdown()
 
@@ -178,7 +185,7 @@ class AsyncLLMEngine:
                 except queue.Empty:
                     break
                 if command is Command.ADD_LORA:
-                    arg[2].set_exception(dead)
+                    arg[-1].set_exception(dead)
         for stream in streams:
             stream.put(dead)
 
@@ -198,9 +205,9 @@ class AsyncLLMEngine:
                 except Exception as exc:  # noqa: BLE001 - a bad request fails alone
                     self._fail(request_id, exc)
             elif command is Command.ADD_LORA:
-                name, path, done = arg
+                name, path, prepared, done = arg
                 try:
-                    self.engine.add_lora(name, path)
+                    self.engine.add_lora(name, path, prepared)
                     self._publish_stats()
                     done.set_result(None)
                 except Exception as exc:  # noqa: BLE001 - the caller's problem, not the loop's

@@ -7,14 +7,17 @@ The replica's side sends commands down a pipe and reads one message per step car
 request's outputs, which a reader thread (blocked in recv, without the GIL) hands to the streams.
 
 Child loop:
-  1. apply queued commands (add, abort, add adapter), blocking while nothing is in flight;
-  2. run one step;
-  3. send its outputs, with a stats snapshot when idle or every STATS_INTERVAL_S.
+  1. apply queued commands (add, abort), blocking while nothing is in flight; an adapter to add goes
+     to a loader thread (reading, checking, folding it takes hundreds of ms on the 8B shape);
+  2. register the adapters the loader has prepared, in the order they were asked for;
+  3. run one step;
+  4. send its outputs, with a stats snapshot when idle or every STATS_INTERVAL_S.
 The child exits when the replica's end of the pipe closes, so a killed replica leaves no engine.
 """
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import itertools
 import logging
@@ -31,6 +34,7 @@ from app.engine.sampling_params import SamplingParams, validate_request
 
 logger = logging.getLogger(__name__)
 START_TIMEOUT_S = 1800.0  # loading a large model from a slow disk
+LOAD_POLL_S = 0.01  # how often an idle loop looks for a prepared adapter
 
 
 class EngineProcess:
@@ -184,15 +188,23 @@ def _child_main(config: EngineConfig, adapters: dict[str, str], cpu_threads: int
         return
     conn.send(("ready", engine.limits, engine.stats()))
     stats_at = time.monotonic()
+    loader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="adapter-loader")
+    loads: collections.deque = collections.deque()  # (token, name, path, future of the prepared adapter)
     try:
         while True:
             busy = engine.has_unfinished_requests()
-            while conn.poll(0 if busy else None):
+            while conn.poll(0 if busy else LOAD_POLL_S if loads else None):
                 command, arg = conn.recv()
                 if command is Command.STOP:
                     return
-                _apply(engine, conn, command, arg)
+                if command is Command.ADD_LORA:
+                    token, name, path = arg
+                    loads.append((token, name, path, loader.submit(engine.prepare_lora, name, path)))
+                else:
+                    _apply(engine, conn, command, arg)
                 busy = engine.has_unfinished_requests()
+            while loads and loads[0][3].done():
+                _register(engine, conn, *loads.popleft())
             if not busy:
                 continue
             outputs = engine.step()
@@ -206,6 +218,7 @@ def _child_main(config: EngineConfig, adapters: dict[str, str], cpu_threads: int
         logger.exception("engine loop died")
         conn.send(("dead", f"{type(exc).__name__}: {exc}"))
     finally:
+        loader.shutdown(wait=False, cancel_futures=True)
         engine.shutdown()
 
 
@@ -220,10 +233,11 @@ def _apply(engine, conn, command: Command, arg) -> None:
         output = engine.abort_request(arg)
         if output is not None:
             conn.send(("outputs", [output], engine.stats() if not engine.has_unfinished_requests() else None))
-    elif command is Command.ADD_LORA:
-        token, name, path = arg
-        try:
-            engine.add_lora(name, path)
-            conn.send(("lora", token, None, engine.stats()))
-        except Exception as exc:  # noqa: BLE001 - the caller's problem, not the loop's
-            conn.send(("lora", token, exc, engine.stats()))
+
+
+def _register(engine, conn, token: int, name: str, path: str, prepared: concurrent.futures.Future) -> None:
+    try:
+        engine.add_lora(name, path, prepared.result())
+        conn.send(("lora", token, None, engine.stats()))
+    except Exception as exc:  # noqa: BLE001 - the caller's problem (a bad adapter), not the loop's
+        conn.send(("lora", token, exc, engine.stats()))

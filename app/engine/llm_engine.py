@@ -15,6 +15,7 @@ from app.engine.config import EngineConfig
 from app.engine.errors import InvalidRequestError
 from app.engine.executor import WorkerLauncher
 from app.engine.guided import GrammarCompiler
+from app.engine.lora_loader import LoRAAdapter
 from app.engine.model_loader import read_model_config, resolve_model_dir
 from app.engine.model_runner import LaunchedStep, ModelRunner
 from app.engine.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput
@@ -139,11 +140,17 @@ class LLMEngine:
                 self.scheduler.add(seq)
         return failed
 
-    def add_lora(self, name: str, path) -> None:
-        """Register (or replace) an adapter; InvalidRequestError says what is wrong with it."""
+    def prepare_lora(self, name: str, path) -> LoRAAdapter:
+        """The slow, stateless part of add_lora (reading, checking, folding), safe to run on a thread
+        other than the one stepping the engine; InvalidRequestError says what is wrong with it."""
+        return self.runner.loras.prepare(name, path)
+
+    def add_lora(self, name: str, path, prepared: LoRAAdapter | None = None) -> None:
+        """Register (or replace) an adapter, `prepared` by prepare_lora already or read here;
+        InvalidRequestError says what is wrong with it."""
         # Every request's adapter, those still compiling their guide included, stays loaded.
         in_use = {s.adapter_id for r in self.requests.values() for s in r.seqs if s.adapter_id}
-        self.runner.add_lora(name, path, in_use)
+        self.runner.add_lora(name, path, in_use, prepared)
 
     def _generator(self, params: SamplingParams, index: int) -> torch.Generator | None:
         if params.seed is None or params.greedy:

@@ -182,15 +182,21 @@ class LoRACache:
         self._stack: LoRAStack | None = None  # rebuilt only when the step's adapter set changes
         self._stacked: tuple[LoRAAdapter, ...] = ()
 
-    def add(self, name: str, path: Path, in_use: set[str] = frozenset()) -> None:
-        """Register (or replace) an adapter once it has passed every check; a refused one changes nothing."""
+    def prepare(self, name: str, path: Path) -> LoRAAdapter:
+        """Read and check an adapter, keep this rank's shard, and fold and pin it where it goes to
+        slots: the slow part of registering one (a rank-16 adapter of the 8B shape: about 200 ms). It
+        reads only the cache's fixed settings, so an engine loop can have it done on another thread
+        while steps run, and `add` the result."""
         if not self.device_slots:
             raise InvalidRequestError("lora", "this engine serves no adapters (max_loras is 0; a service config "
                                               "enables them with lora_roots or lora_adapters)")
         adapter = load_adapter(name, Path(path), self.max_rank, self.shapes, self.num_layers)
         adapter = adapter.shard(self.tp_size, self.tp_rank)
-        if self.slots is not None:
-            adapter = adapter.folded(self.dtype, pin=True)
+        return adapter.folded(self.dtype, pin=True) if self.slots is not None else adapter
+
+    def add(self, name: str, adapter: LoRAAdapter, in_use: set[str] = frozenset()) -> None:
+        """Register (or replace) a prepared adapter: it has passed every check, a refused one never
+        gets here."""
         self.host[name] = adapter
         self.host.move_to_end(name)
         self.on_device.pop(name, None)  # a re-registered name takes the new weights

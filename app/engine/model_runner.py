@@ -9,6 +9,7 @@ import torch
 
 from app.engine.config import EngineConfig
 from app.engine.executor import ProcessLauncher, WorkerLauncher, cpu_threads_per_rank
+from app.engine.lora_loader import LoRAAdapter
 from app.engine.model_loader import read_model_config
 from app.engine.parallel import Distributed, ParallelLayout
 from app.engine.sampler import DeviceSample, Sampler, SamplerOutput
@@ -104,8 +105,11 @@ class ModelRunner:
         logits = self.shard.execute(plan.block_copies, batches, previous_tokens)
         return logits, [seq for _, group_seqs in prepared for seq in group_seqs]
 
-    def add_lora(self, name: str, path, in_use: set[str]) -> None:
-        self.loras.add(name, path, in_use)  # raises for a bad adapter before any other rank sees it
+    def add_lora(self, name: str, path, in_use: set[str], prepared: LoRAAdapter | None = None) -> None:
+        """`prepared`: rank 0's LoRACache.prepare of it, done already (off the engine loop). The other
+        ranks prepare their shards when they receive the command."""
+        # prepare raises for a bad adapter before any other rank sees it
+        self.loras.add(name, prepared or self.loras.prepare(name, path), in_use)
         if self.dist is not None:
             self.dist.broadcast((RankCommand.ADD_LORA, name, path, in_use))
 

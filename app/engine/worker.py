@@ -204,7 +204,8 @@ def worker_main(config: EngineConfig, model_dir: str, max_seq_len: int, layout: 
             if command is RankCommand.STEP:
                 shard.execute(*args)
             elif command is RankCommand.ADD_LORA:
-                shard.loras.add(*args)
+                name, path, in_use = args
+                shard.loras.add(name, shard.loras.prepare(name, path), in_use)
             elif command is RankCommand.STOP:
                 return
             else:  # a rank that skipped a command would fall out of step with rank 0 for good

@@ -9,6 +9,7 @@ import pytest
 from app.engine import EngineConfig, EngineDeadError, InvalidRequestError, SamplingParams
 from app.engine.engine_process import EngineProcess
 from tests.conftest import leave_a_stream_early, make_engine, random_prompts
+from tests.engine.test_lora import adapter_dirs, expected  # noqa: F401 - fixtures
 
 PROMPTS = random_prompts(4, 5, 30, vocab=256, seed=21)
 
@@ -57,6 +58,26 @@ def test_adapters_load_in_the_process(process_engine, tmp_path):
 
     asyncio.run(main())
     assert not process_engine.has_lora("x") and process_engine.healthy
+
+
+def test_an_adapter_added_mid_stream_serves_what_peft_generates(process_engine, adapter_dirs, expected):
+    """The child prepares the adapter on its loader thread while a stream runs, then registers it."""
+    prompts, out = expected
+    greedy = SamplingParams(max_tokens=16, temperature=0.0)
+
+    async def collect(request_id, adapter_id=None):
+        tokens = []
+        async for output in process_engine.generate(request_id, prompts[0], greedy, adapter_id):
+            tokens.extend(output.outputs[0].token_ids)
+        return tokens
+
+    async def main():
+        base = asyncio.create_task(collect("base"))
+        await process_engine.add_lora("a", str(adapter_dirs["a"]))
+        return await base, await collect("adapted", "a")
+
+    assert asyncio.run(main()) == (out[(0, None)], out[(0, "a")])
+    assert process_engine.has_lora("a")
 
 
 def test_a_killed_process_ends_every_stream(tiny_llama_dir):

@@ -326,3 +326,45 @@ def test_the_decode_graphs_lora_buffer_fits_every_bucket(max_batch_size):
         worst = [1 + row % 8 for row in range(size)]  # every row adapted, spread over all slots
         items = slots.batch(worst, torch.device("cpu"), max_work_items(size, 8)).items
         assert len(items) == max_work_items(size, 8) <= capacity
+
+
+def test_an_adapter_is_prepared_off_the_loop_while_streams_run(tiny_llama_dir, adapter_dirs, expected):
+    """Reading, checking and folding an adapter runs on the async engine's loader thread: a stream
+    steps to its end while that preparation is held, then the adapter serves what peft generates."""
+    import asyncio
+    import threading
+
+    from app.engine import AsyncLLMEngine, EngineConfig
+
+    prompts, out = expected
+    front = AsyncLLMEngine(EngineConfig(), engine=make_engine(tiny_llama_dir))
+    release, preparing = threading.Event(), []
+    prepare = front.engine.prepare_lora
+
+    def held_prepare(name, path):
+        preparing.append(threading.current_thread())
+        assert release.wait(60)
+        return prepare(name, path)
+    front.engine.prepare_lora = held_prepare
+
+    async def collect(request_id, adapter_id=None):
+        tokens = []
+        async for output in front.generate(request_id, prompts[0], GREEDY, adapter_id):
+            tokens.extend(output.outputs[0].token_ids)
+        return tokens
+
+    async def main():
+        adding = asyncio.create_task(front.add_lora("a", str(adapter_dirs["a"])))
+        while not preparing:
+            await asyncio.sleep(0.01)
+        base = await collect("base")
+        assert not adding.done()  # the whole stream ran while the adapter was being prepared
+        release.set()
+        await adding
+        return base, await collect("adapted", "a")
+
+    try:
+        assert asyncio.run(main()) == (out[(0, None)], out[(0, "a")])
+        assert preparing[0] not in (threading.main_thread(), front._thread)
+    finally:
+        front.shutdown()

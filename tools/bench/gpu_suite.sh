@@ -58,6 +58,8 @@ lora_step() {  # name adapters rank concurrency requests
       --max-batch-size 256 --input-len 128 --output-len 128 --adapters "$2" --lora-rank "$3"
 }
 lora_step lora-8x16 8 16 256 512
+lora_step lora-32x16 32 16 256 512
+lora_step lora-8x8 8 8 256 512
 lora_step lora-64x16 64 16 256 512
 lora_step lora-8x64 8 64 256 512
 lora_step lora-b1 1 16 1 4

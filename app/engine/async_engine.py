@@ -119,7 +119,11 @@ class AsyncLLMEngine:
     async def add_lora(self, name: str, path: str) -> None:
         """Prepare an adapter on the loader thread, then register it on the loop thread."""
         self._raise_if_dead()
-        prepared = await asyncio.wrap_future(self._loader.submit(self.engine.prepare_lora, name, path))
+        try:
+            prepared = await asyncio.wrap_future(self._loader.submit(self.engine.prepare_lora, name, path))
+        except asyncio.CancelledError:
+            self._raise_if_dead()  # shut down with the load still queued: say so, not "cancelled"
+            raise
         done: concurrent.futures.Future = concurrent.futures.Future()
         with self._lock:  # the loop's death fails what is queued under this lock: nothing waits forever
             self._raise_if_dead()
@@ -128,10 +132,15 @@ class AsyncLLMEngine:
 
     def _raise_if_dead(self) -> None:
         if self._dead is not None:
-            raise EngineDeadError(f"engine loop died: {type(self._dead).__name__}")
+            raise self._dead_error()
+
+    def _dead_error(self) -> EngineDeadError:
+        if isinstance(self._dead, EngineDeadError):
+            return self._dead
+        return EngineDeadError(f"engine loop died: {type(self._dead).__name__}")
 
     def has_lora(self, name: str) -> bool:
-        return name in self.engine.runner.loras
+        return name in self._stats.lora.get("host", ())
 
     def abort(self, request_id: str) -> None:
         self._commands.put((Command.ABORT, request_id))
@@ -149,6 +158,8 @@ class AsyncLLMEngine:
         self._commands.put((Command.STOP, None))
         self._thread.join(timeout=30)
         self._loader.shutdown(wait=False, cancel_futures=True)
+        # Streams still open and adapters still loading end now, rather than wait for a loop that is gone.
+        self._fail_everything(EngineDeadError("the engine was shut down"))
         if not self._thread.is_alive():  # the loop thread is the only one that touches the engine
             self.engine.shutdown()
 
@@ -175,9 +186,9 @@ class AsyncLLMEngine:
 
     def _fail_everything(self, exc: BaseException) -> None:
         """Every open stream and every queued adapter load fails now, none is left waiting."""
-        dead = EngineDeadError(f"engine loop died: {type(exc).__name__}")
         with self._lock:
             self._dead = exc
+            dead = self._dead_error()
             streams, self._streams = list(self._streams.values()), {}
             while True:
                 try:

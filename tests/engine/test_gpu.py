@@ -207,7 +207,7 @@ def test_paged_decode_kernel_windows_and_softcaps_against_a_dense_reference():
     tables = torch.zeros(len(lens), max(counts), dtype=torch.int32)
     for i, n in enumerate(counts):
         tables[i, :n] = torch.tensor(order[sum(counts[:i]):sum(counts[:i]) + n])
-    for head_dim in (64, 256):
+    for head_dim in (64, 96, 256):  # 96 (Phi-3-mini): padded to the kernel's power-of-2 tile
         k_cache, v_cache = (torch.randn(sum(counts), block, kv_heads, head_dim, generator=g).cuda() for _ in "kv")
         q = torch.randn(len(lens), heads, head_dim, generator=g).cuda()
         for window, softcap in [(None, None), (1, None), (16, None), (100, 4.0), (129, None), (1000, None),

@@ -328,15 +328,12 @@ def test_the_decode_graphs_lora_buffer_fits_every_bucket(max_batch_size):
         assert len(items) == max_work_items(size, 8) <= capacity
 
 
-def test_an_adapter_is_prepared_off_the_loop_while_streams_run(tiny_llama_dir, adapter_dirs, expected):
-    """Reading, checking and folding an adapter runs on the async engine's loader thread: a stream
-    steps to its end while that preparation is held, then the adapter serves what peft generates."""
-    import asyncio
+def _held_front(tiny_llama_dir):
+    """An AsyncLLMEngine whose adapter preparation waits for `release`, noting the thread it ran on."""
     import threading
 
     from app.engine import AsyncLLMEngine, EngineConfig
 
-    prompts, out = expected
     front = AsyncLLMEngine(EngineConfig(), engine=make_engine(tiny_llama_dir))
     release, preparing = threading.Event(), []
     prepare = front.engine.prepare_lora
@@ -346,6 +343,17 @@ def test_an_adapter_is_prepared_off_the_loop_while_streams_run(tiny_llama_dir, a
         assert release.wait(60)
         return prepare(name, path)
     front.engine.prepare_lora = held_prepare
+    return front, release, preparing
+
+
+def test_an_adapter_is_prepared_off_the_loop_while_streams_run(tiny_llama_dir, adapter_dirs, expected):
+    """Reading, checking and folding an adapter runs on the async engine's loader thread: a stream
+    steps to its end while that preparation is held, then the adapter serves what peft generates."""
+    import asyncio
+    import threading
+
+    prompts, out = expected
+    front, release, preparing = _held_front(tiny_llama_dir)
 
     async def collect(request_id, adapter_id=None):
         tokens = []
@@ -366,5 +374,26 @@ def test_an_adapter_is_prepared_off_the_loop_while_streams_run(tiny_llama_dir, a
     try:
         assert asyncio.run(main()) == (out[(0, None)], out[(0, "a")])
         assert preparing[0] not in (threading.main_thread(), front._thread)
+        assert front.has_lora("a")
     finally:
         front.shutdown()
+
+
+def test_adapters_loading_when_the_engine_shuts_down_fail_their_callers(tiny_llama_dir, adapter_dirs):
+    """One being prepared and one queued behind it: both callers get EngineDeadError, neither waits."""
+    import asyncio
+
+    from app.engine import EngineDeadError
+
+    front, release, preparing = _held_front(tiny_llama_dir)
+
+    async def main():
+        loads = [asyncio.create_task(front.add_lora(name, str(adapter_dirs[name]))) for name in ("a", "b")]
+        while not preparing:
+            await asyncio.sleep(0.01)
+        await asyncio.to_thread(front.shutdown)
+        release.set()
+        return await asyncio.wait_for(asyncio.gather(*loads, return_exceptions=True), 30)
+
+    errors = asyncio.run(main())
+    assert all(isinstance(e, EngineDeadError) and "shut down" in str(e) for e in errors), errors

@@ -25,28 +25,29 @@ NUM_WARPS = 4
 @triton.jit
 def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, scale, window,
                          stride_qt, stride_qh, stride_cb, stride_cs, stride_ch, stride_tb, stride_ot, stride_oh,
-                         GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
+                         GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                          BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, IEEE: tl.constexpr, SOFTCAP: tl.constexpr):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     context = tl.load(lens_ptr + seq)
     first = tl.maximum(context - window, 0)  # the window's first position; the first tile always holds one
     g = tl.arange(0, BLOCK_G)
-    d = tl.arange(0, HEAD_DIM)
+    d = tl.arange(0, BLOCK_D)  # a power of 2: head dims that are not (Phi-3's 96) are padded with zeros
+    in_head = d < HEAD_DIM
     n = tl.arange(0, TILE)
     heads = kv_head * GROUP + g
-    q = tl.load(q_ptr + seq * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=(g < GROUP)[:, None],
-                other=0.0)
+    q = tl.load(q_ptr + seq * stride_qt + heads[:, None] * stride_qh + d[None, :],
+                mask=(g < GROUP)[:, None] & in_head[None, :], other=0.0)
     m = tl.full([BLOCK_G], float("-inf"), tl.float32)
     total = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     for i in range(first // TILE, tl.cdiv(context, TILE)):
         pos = i * TILE + n
         valid = (pos >= first) & (pos < context)
         block = tl.load(tables_ptr + seq * stride_tb + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
         offsets = block[:, None] * stride_cb + (pos % BLOCK_SIZE)[:, None] * stride_cs + kv_head * stride_ch \
             + d[None, :]
-        k = tl.load(k_ptr + offsets, mask=valid[:, None], other=0.0)
+        k = tl.load(k_ptr + offsets, mask=valid[:, None] & in_head[None, :], other=0.0)
         if IEEE:
             scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
         else:
@@ -58,7 +59,7 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, sca
         p = tl.exp(scores - m_new[:, None])
         alpha = tl.exp(m - m_new)
         total = total * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptr + offsets, mask=valid[:, None], other=0.0)
+        v = tl.load(v_ptr + offsets, mask=valid[:, None] & in_head[None, :], other=0.0)
         if IEEE:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         else:
@@ -66,7 +67,7 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, sca
         m = m_new
     out = acc / total[:, None]
     tl.store(out_ptr + seq * stride_ot + heads[:, None] * stride_oh + d[None, :], out.to(out_ptr.dtype.element_ty),
-             mask=(g < GROUP)[:, None])
+             mask=(g < GROUP)[:, None] & in_head[None, :])
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -78,12 +79,13 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     num_seqs, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
-    tile = min(max(tile_tokens, block_size), TILE_BYTES // (head_dim * k_cache.element_size()))
+    block_d = triton.next_power_of_2(head_dim)
+    tile = min(max(tile_tokens, block_size), TILE_BYTES // (block_d * k_cache.element_size()))
     out = torch.empty_like(q)
     _paged_decode_kernel[(num_seqs, num_kv_heads)](
         q, k_cache, v_cache, block_tables, context_lens, out, scale, window or 2 ** 31 - 1,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         out.stride(0), out.stride(1), GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-        BLOCK_SIZE=block_size, TILE=tile, IEEE=q.dtype == torch.float32,
+        BLOCK_D=block_d, BLOCK_SIZE=block_size, TILE=tile, IEEE=q.dtype == torch.float32,
         SOFTCAP=float(softcap or 0.0), num_warps=num_warps)
     return out

@@ -156,7 +156,9 @@ class ServiceConfig(_Strict):
                             "auto: read from the chat template")
     step_timeout_s: float = Field(60.0, gt=0, description="a replica whose engine step runs longer is unhealthy")
     cuda_graph_config: dict | None = Field(None, description="backend trtllm: passed to tensorrt_llm.LLM as is")
-    speculative_config: dict | None = Field(None, description="backend trtllm: passed to tensorrt_llm.LLM as is")
+    speculative_config: dict | None = Field(None, description="backend torch: n-gram speculation, TensorRT-LLM's "
+                                            "NGramDecodingConfig keys (app/engine/config.py); backend trtllm: "
+                                            "passed to tensorrt_llm.LLM as is")
     llm_args: dict = Field(default_factory=dict, description="backend trtllm: further tensorrt_llm.LLM arguments")
     triton: TritonSection | None = None
     cpu_threads: int | None = Field(None, ge=1, description="torch threads of a CPU engine; default: every core "
@@ -168,7 +170,10 @@ class ServiceConfig(_Strict):
 
     @model_validator(mode="after")
     def _keys_together(self) -> ServiceConfig:
-        trtllm_only = [k for k in ("cuda_graph_config", "speculative_config", "llm_args") if getattr(self, k)]
+        trtllm_only = [k for k in ("cuda_graph_config", "llm_args") if getattr(self, k)]
+        if self.speculative_config and self.backend == "triton":
+            raise ValueError("speculative_config is read by backends torch and trtllm (a built TensorRT-LLM "
+                             "engine's speculation is fixed when it is built)")
         if trtllm_only and self.backend != "trtllm":
             raise ValueError(f"{trtllm_only[0]} is read by backend trtllm only "
                              f"(this config's backend is {self.backend})")
@@ -226,6 +231,8 @@ class ServiceConfig(_Strict):
         """The engine's config: every EngineConfig field has a key of the same name here."""
         values = {f.name: getattr(self, f.name) for f in fields(EngineConfig)}
         values["kv_cache_config"] = KvCacheConfig(**self.kv_cache_config.model_dump())
+        if self.backend != "torch":  # TensorRT-LLM's own speculation keys, read by that backend
+            values["speculative_config"] = None
         if not (self.lora_roots or self.lora_adapters):  # no adapter can ever come: reserve no slots for one
             values["max_loras"] = 0
         return EngineConfig(**values)

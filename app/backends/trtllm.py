@@ -182,12 +182,15 @@ class TrtllmBackend:
         if perf is None:
             return None
         timing, kv = perf.timing_metrics, perf.kv_cache_metrics
+        speculation = getattr(perf, "speculative_decoding", None)  # RequestPerfMetrics.SpeculativeDecodingMetrics
         ns = lambda t: int(t / timedelta(microseconds=1)) * 1000 if isinstance(t, timedelta) else int(t)  # noqa: E731
         return RequestMetrics(
             arrival_time_ns=ns(timing.arrival_time), first_scheduled_time_ns=ns(timing.first_scheduled_time),
             first_token_time_ns=ns(timing.first_token_time), last_token_time_ns=ns(timing.last_token_time),
             num_prompt_tokens=num_prompt, num_output_tokens=sum(len(o.token_ids) for o in output.outputs),
-            kv_cache_reused_blocks=kv.num_reused_blocks, kv_cache_alloc_new_blocks=kv.num_new_allocated_blocks)
+            kv_cache_reused_blocks=kv.num_reused_blocks, kv_cache_alloc_new_blocks=kv.num_new_allocated_blocks,
+            total_draft_tokens=getattr(speculation, "total_draft_tokens", 0),
+            total_accepted_draft_tokens=getattr(speculation, "total_accepted_draft_tokens", 0))
 
     def stats(self) -> dict:
         return {"backend": self.name, "healthy": self.healthy, "num_running": self.in_flight,

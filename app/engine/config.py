@@ -42,6 +42,25 @@ class KvCacheConfig:
 
 
 @dataclass
+class SpeculativeConfig:
+    """TensorRT-LLM's NGramDecodingConfig names. Prompt-lookup decoding: the next tokens are
+    guessed by finding the sequence's last n-gram earlier in its own tokens, and the model checks
+    the guesses in the step that computes the last token (app/engine/speculative.py)."""
+
+    decoding_type: str = "NGram"
+    max_draft_len: int = 4  # tokens guessed, and checked, per sequence per step
+    max_matching_ngram_size: int = 3  # the longest tail looked up; shorter ones are tried after it
+
+    def __post_init__(self):
+        if self.decoding_type != "NGram":
+            raise ValueError(f"speculative_config.decoding_type {self.decoding_type!r} is not supported by the "
+                             "torch engine (NGram)")
+        for name in ("max_draft_len", "max_matching_ngram_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"speculative_config.{name} must be at least 1, got {getattr(self, name)}")
+
+
+@dataclass
 class EngineConfig:
     model: str = "smollm2-135m"  # an alias of an embedded model, an HF directory, or a .gguf file
     dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
@@ -71,6 +90,9 @@ class EngineConfig:
     max_stop_words: int = 64  # stop sequences, and bad-word sequences, per request
     max_stop_word_len: int = 256  # tokens per stop or bad word (characters, for words sent as text)
     max_logprobs: int = 20  # top_logprobs per output token (OpenAI's own cap); 0 refuses them
+    # Speculative decoding (None: off). Greedy requests without logit processors speculate; their
+    # steps are not overlapped, since a guess needs the last token on the host.
+    speculative_config: SpeculativeConfig | None = None
     # Ranks = tp x pp: rank 0 is the engine's own process, the others are started by a WorkerLauncher.
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
@@ -78,6 +100,12 @@ class EngineConfig:
     def __post_init__(self):
         if isinstance(self.kv_cache_config, dict):
             self.kv_cache_config = KvCacheConfig(**self.kv_cache_config)
+        if isinstance(self.speculative_config, dict):
+            unknown = set(self.speculative_config) - {f for f in SpeculativeConfig.__dataclass_fields__}
+            if unknown:
+                raise ValueError(f"speculative_config.{sorted(unknown)[0]} is not supported by the torch engine "
+                                 "(decoding_type, max_draft_len, max_matching_ngram_size)")
+            self.speculative_config = SpeculativeConfig(**self.speculative_config)
         self.scheduler_policy = SchedulerPolicy(self.scheduler_policy)
         self.batching_type = BatchingType(self.batching_type)
         if self.max_loras < 0:

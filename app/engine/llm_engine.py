@@ -22,6 +22,7 @@ from app.engine.outputs import CompletionOutput, EngineStats, RequestMetrics, Re
 from app.engine.sampling_params import SEED_LIMIT, SamplingParams, request_limits, validate_request
 from app.engine.scheduler import Scheduler, SchedulerLimits
 from app.engine.sequence import FinishReason, Sequence
+from app.engine.speculative import NGramProposer
 
 logger = logging.getLogger(__name__)
 MAX_FAILED_STEPS = 3
@@ -35,6 +36,7 @@ class Request:
     beam: BeamGroup | None = None
     arrival_ns: int = 0
     aborted: bool = False
+    speculative: bool = False  # its decodes may carry guesses (app/engine/speculative.py)
 
     @property
     def finished(self) -> bool:
@@ -45,9 +47,10 @@ class Request:
     @property
     def overlappable(self) -> bool:
         """Whether its steps can be queued before the last one is read back: sampling that looks
-        at earlier token values (penalties, bad words) or beams need every token on the host."""
+        at earlier token values (penalties, bad words), beams, or guesses need every token on the host."""
         p = self.params
-        return self.beam is None and not p.needs_penalties and not p.bad_token_ids and p.guide is None
+        return (self.beam is None and not p.needs_penalties and not p.bad_token_ids and p.guide is None
+                and not (self.speculative and any(NGramProposer.wants_to_guess(seq) for seq in self.seqs)))
 
 
 class LLMEngine:
@@ -61,10 +64,11 @@ class LLMEngine:
         kv = config.kv_cache_config
         self.block_manager = BlockManager(self.runner.num_blocks, kv.tokens_per_block, kv.enable_block_reuse)
         self._seq_ids = itertools.count()
+        self.proposer = NGramProposer(config.speculative_config) if config.speculative_config else None
         self.scheduler = Scheduler(
             SchedulerLimits(config.max_batch_size, config.max_num_tokens, config.enable_chunked_prefill,
                             config.scheduler_policy, config.batching_type, config.max_loras),
-            self.block_manager, self._seq_ids)
+            self.block_manager, self._seq_ids, self.proposer)
         self.limits = request_limits(config, model_cfg.vocab_size, self.max_seq_len,
                                      max_cache_tokens=self.runner.num_blocks * kv.tokens_per_block)
         self.eos_ids = frozenset(model_cfg.eos_token_ids)
@@ -101,7 +105,8 @@ class LLMEngine:
                          self._generator(params, i), adapter_id, arrival_ns) for i in range(num_seqs)]
         beam = BeamGroup(seqs[0], params.beam_width) if params.beam_width > 1 else None
         # A beam search's sequences are its group's: the list grows as beams fork.
-        request = Request(request_id, params, beam.seqs if beam else seqs, beam, arrival_ns)
+        request = Request(request_id, params, beam.seqs if beam else seqs, beam, arrival_ns,
+                          speculative=self.proposer is not None and self.proposer.may_speculate(params))
         self.requests[request_id] = request
         if compiling is not None:
             self.compiling[request_id] = (compiling, time.monotonic() + self.grammars.timeout_s)
@@ -248,8 +253,8 @@ class LLMEngine:
         for item in plan.scheduled:
             item.seq.first_scheduled_ns = item.seq.first_scheduled_ns or now
         self.num_steps += 1
-        self._last_context_tokens = sum(s.num_tokens for s in plan.scheduled if s.num_tokens > 1)
-        self._last_generation_requests = sum(1 for s in plan.scheduled if s.num_tokens == 1)
+        self._last_context_tokens = sum(s.num_tokens for s in plan.scheduled if not s.is_decode)
+        self._last_generation_requests = sum(1 for s in plan.scheduled if s.is_decode)
         self._last_context_requests = len(plan.scheduled) - self._last_generation_requests
 
     def _finish(self, launched: LaunchedStep) -> list[RequestOutput]:
@@ -315,7 +320,9 @@ class LLMEngine:
                                else sum(s.num_output_tokens for s in seqs)),
             kv_cache_reused_blocks=sum(s.reused_blocks for s in seqs),
             kv_cache_alloc_new_blocks=sum(s.new_blocks for s in seqs),
-            num_preemptions=sum(s.num_preemptions for s in seqs))
+            num_preemptions=sum(s.num_preemptions for s in seqs),
+            total_draft_tokens=sum(s.draft_tokens for s in seqs),
+            total_accepted_draft_tokens=sum(s.accepted_draft_tokens for s in seqs))
 
     # -- introspection -----------------------------------------------------------------------------
     def stats(self) -> EngineStats:

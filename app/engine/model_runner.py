@@ -128,10 +128,12 @@ class ModelRunner:
         return [scheduled[i:i + size] for i in range(0, len(scheduled), size)]
 
     def _prepare(self, scheduled: list[ScheduledSeq]) -> tuple[StepInputs, list[Sequence]]:
-        """Pack the tokens: decodes first (batched attention), then prefill chunks."""
+        """Pack the tokens: decodes first (batched attention), then prefill chunks. A decode that
+        carries guesses is a decode row per token, each seeing the context up to itself: the rows
+        of one sequence write their KV before any row attends, so each sees those before it."""
         bs = self.block_size
-        decodes = [s for s in scheduled if s.num_tokens == 1]
-        prefills = [s for s in scheduled if s.num_tokens > 1]
+        decodes = [s for s in scheduled if s.is_decode]
+        prefills = [s for s in scheduled if not s.is_decode]
         tokens, positions, slots, sample_seqs, logits_indices = [], [], [], [], []
         pending = []  # (input row, row of the previous step's tokens) for tokens still on the device
         lora_rows: dict[str, list[int]] = {}
@@ -139,25 +141,31 @@ class ModelRunner:
         for item in decodes + prefills:
             seq, start = item.seq, item.start
             end = start + item.num_tokens
+            rows = range(len(tokens), len(tokens) + item.num_tokens)
             if seq.adapter_id is not None:
-                lora_rows.setdefault(seq.adapter_id, []).extend(range(len(tokens), len(tokens) + item.num_tokens))
-            if item.num_tokens > 1:
+                lora_rows.setdefault(seq.adapter_id, []).extend(rows)
+            if not item.is_decode:
                 chunks.append((len(tokens), item.num_tokens, end, seq.block_table[:-(-end // bs)]))
-            if item.samples:
+            if item.draft:  # every row's token is checked
+                sample_seqs.extend([seq] * len(rows))
+                logits_indices.extend(rows)
+            elif item.samples:
                 sample_seqs.append(seq)
-                logits_indices.append(len(tokens) + item.num_tokens - 1)
+                logits_indices.append(rows[-1])
             if seq.pending_row is not None and end == seq.num_tokens:
-                pending.append((len(tokens) + item.num_tokens - 1, seq.pending_row))
-            tokens.extend(seq.token_ids[start:end])
+                pending.append((rows[-1], seq.pending_row))
+            tokens.extend(seq.token_ids[start:end - len(item.draft)] + item.draft)
             positions.extend(range(start, end))
             slots.extend(seq.block_table[p // bs] * bs + p % bs for p in range(start, end))
         decode_tables = decode_lens = None
         if decodes:
             width = max(len(s.seq.block_table) for s in decodes)
-            decode_tables = torch.tensor([s.seq.block_table + [0] * (width - len(s.seq.block_table)) for s in decodes],
-                                         dtype=torch.int32)
-            decode_lens = torch.tensor([s.start + 1 for s in decodes], dtype=torch.int32)
-        inputs = StepInputs(torch.tensor(tokens), torch.tensor(positions), torch.tensor(slots), len(decodes),
+            decode_tables = torch.tensor([s.seq.block_table + [0] * (width - len(s.seq.block_table))
+                                          for s in decodes for _ in range(s.num_tokens)], dtype=torch.int32)
+            decode_lens = torch.tensor([p + 1 for s in decodes for p in range(s.start, s.start + s.num_tokens)],
+                                       dtype=torch.int32)
+        num_decode_rows = sum(s.num_tokens for s in decodes)
+        inputs = StepInputs(torch.tensor(tokens), torch.tensor(positions), torch.tensor(slots), num_decode_rows,
                             decode_tables, decode_lens, chunks, torch.tensor(logits_indices, dtype=torch.long),
                             lora_rows, torch.tensor(pending, dtype=torch.long).T if pending else None)
         return inputs, sample_seqs

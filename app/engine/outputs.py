@@ -31,6 +31,12 @@ class RequestMetrics:
     kv_cache_reused_blocks: int
     kv_cache_alloc_new_blocks: int
     num_preemptions: int = 0
+    total_draft_tokens: int = 0  # speculation: tokens guessed, and those the model confirmed
+    total_accepted_draft_tokens: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.total_accepted_draft_tokens / self.total_draft_tokens if self.total_draft_tokens else 0.0
 
     @property
     def kv_cache_alloc_total_blocks(self) -> int:

@@ -5,6 +5,8 @@ Plain Python over a BlockManager; no model, no tensors. Each step runs three pha
   2. waiting sequences (new or preempted), while the batch, the token budget and the policy allow;
   3. under MAX_UTILIZATION, preemption (by recompute) frees blocks for phase 1 when they run out.
 STATIC batching (Triton's V1) admits a new batch only once the previous one has finished.
+With a proposer (speculative decoding), a decode may carry guesses of the tokens after its last one,
+a row each, while every decode row of the step fits one decode graph (app/engine/speculative.py).
 
 The scheduler owns the sequences' progress: a plan counts its tokens as computed when it is made,
 and update() takes what the step sampled (tokens, placeholders while overlapped, beam candidates),
@@ -22,18 +24,25 @@ from app.engine.block_manager import BlockManager
 from app.engine.config import BatchingType, SchedulerPolicy
 from app.engine.sampler import SamplerOutput
 from app.engine.sequence import Sequence, SequenceStatus
+from app.engine.speculative import NGramProposer
 
 
 @dataclass
 class ScheduledSeq:
     seq: Sequence
-    num_tokens: int  # tokens computed this step
+    num_tokens: int  # tokens computed this step, guesses included
     start: int  # the first of them (the plan has counted them in seq.num_computed_tokens already)
+    draft: list[int] = field(default_factory=list)  # guessed tokens after the sequence's last one
+
+    @property
+    def is_decode(self) -> bool:
+        """One known token (the last), and perhaps guesses after it: a row each, decode-shaped."""
+        return self.num_tokens - len(self.draft) == 1
 
     @property
     def samples(self) -> bool:
         """Whether this step reaches the end of the known tokens, so a new token is sampled."""
-        return self.start + self.num_tokens == self.seq.num_tokens
+        return self.start + self.num_tokens - len(self.draft) == self.seq.num_tokens
 
 
 @dataclass
@@ -62,10 +71,12 @@ class SchedulerLimits:
 
 
 class Scheduler:
-    def __init__(self, limits: SchedulerLimits, block_manager: BlockManager, seq_ids: Iterator[int] | None = None):
+    def __init__(self, limits: SchedulerLimits, block_manager: BlockManager, seq_ids: Iterator[int] | None = None,
+                 proposer: NGramProposer | None = None):
         """`seq_ids` numbers beam-search forks (the engine shares the counter that numbers its sequences)."""
         self.limits = limits
         self.blocks = block_manager
+        self.proposer = proposer
         self.seq_ids = seq_ids or itertools.count()
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -111,9 +122,10 @@ class Scheduler:
         A row whose sequence ended or was aborted since the step was launched holds no placeholder
         of it: its token is dropped."""
         live = {row: seq for row, seq in enumerate(rows) if not seq.is_finished or seq.pending_row == row}
+        drafted = self._take_guesses(plan, live, sampled) if sampled is not None else set()
         if sampled is not None:
             for row, seq in live.items():
-                if seq.beam_group is None:  # beams take their tokens when they advance, below
+                if seq.beam_group is None and seq not in drafted:  # beams take theirs as they advance, below
                     seq.resolve_pending(sampled.token_ids[row], sampled.logprobs[row],  # (or appends)
                                         sampled.top_logprobs.get(row))
         # Every computed token is known by now (placeholders lie past them). Hashed before any
@@ -123,7 +135,10 @@ class Scheduler:
                 self.blocks.register_full_blocks(item.seq)
         beams: dict[BeamGroup, dict[Sequence, tuple[list[float], list[int]]]] = {}
         for row, seq in live.items():
-            if sampled is None:
+            if seq in drafted:
+                if seq.finish_reason is not None and not seq.is_finished:
+                    self.remove(seq)
+            elif sampled is None:
                 seq.append_pending(row)
                 if seq.num_output_tokens >= seq.params.max_tokens:
                     self.remove(seq)  # its last token is in flight: nothing more to compute
@@ -133,7 +148,41 @@ class Scheduler:
                 self.remove(seq)  # (one that reached max_tokens when launched has gone already)
         for group, candidates in beams.items():
             self._advance_beams(group, candidates)
-        return list(live.values())
+        return list(dict.fromkeys(live.values()))  # a guessing sequence had a row per guess
+
+    def _take_guesses(self, plan: SchedulerOutput, live: dict[int, Sequence], sampled: SamplerOutput) -> set[Sequence]:
+        """Sequences that guessed take the guesses the model confirmed: row i's greedy token is the
+        model's choice after guess i (row 0: after the last known token), so the guesses up to the
+        first that differs from it are right, and that row's token follows them. Each token goes
+        through the stop checks as it is appended; the cache holds the rows whose input was right.
+        Returns the sequences (their rows are done with)."""
+        first_row = {}
+        for row, seq in live.items():
+            first_row.setdefault(seq, row)
+        drafted = set()
+        for item in plan.scheduled:
+            seq = item.seq
+            if not item.draft or seq not in first_row:
+                continue
+            drafted.add(seq)
+            known = item.start + 1  # tokens whose inputs were known, the last one included
+            rows = range(first_row[seq], first_row[seq] + len(item.draft) + 1)
+            accepted = 0
+            while accepted < len(item.draft) and item.draft[accepted] == sampled.token_ids[rows[accepted]]:
+                accepted += 1
+            seq.draft_tokens += len(item.draft)
+            seq.accepted_draft_tokens += accepted
+            if accepted:
+                seq.guess_misses = 0
+            else:
+                self.proposer.missed(seq)
+            for row in rows[:accepted + 1]:
+                seq.append_token(sampled.token_ids[row], sampled.logprobs[row], sampled.top_logprobs.get(row))
+                if seq.check_stop() is not None:
+                    break
+            # Rows past the first wrong guess wrote KV the next steps overwrite: not computed.
+            seq.num_computed_tokens = min(known + accepted, seq.num_tokens)
+        return drafted
 
     def _advance_beams(self, group: BeamGroup, candidates: dict) -> None:
         """The chosen continuations run on: a beam chosen twice forks (the child shares its
@@ -168,6 +217,11 @@ class Scheduler:
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         done_groups = set()
+        decodes = sum(1 for s in self.running if s.num_tokens - s.num_computed_tokens == 1)
+        # Guesses while every decode row of the step fits one decode graph: where the batch is small
+        # and a step costs the same for a few more rows. A full batch gains nothing from them.
+        speculate = self.proposer is not None and \
+            decodes * (self.proposer.max_draft_len + 1) <= self.limits.max_batch_size
         # Decodes before prefill chunks, so that a long prompt cannot starve the batch.
         for seq in sorted(self.running, key=lambda s: s.num_tokens - s.num_computed_tokens > 1):
             if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
@@ -181,11 +235,28 @@ class Scheduler:
             n = self._tokens_for(seq, budget)
             if n == 0:
                 continue
+            draft = self._draft(seq, budget) if n == 1 and speculate else []
+            if draft and not self.blocks.ensure_slots(seq, seq.num_computed_tokens + 1 + len(draft)):
+                draft = []  # no blocks to spare for guesses: decode plainly, never evict for a guess
             if not self._grow_or_preempt(seq, seq.num_computed_tokens + n, out):
                 continue
-            out.scheduled.append(ScheduledSeq(seq, n, seq.num_computed_tokens))
-            budget -= n
+            out.scheduled.append(ScheduledSeq(seq, n + len(draft), seq.num_computed_tokens, draft))
+            budget -= n + len(draft)
         return budget
+
+    def _draft(self, seq: Sequence, budget: int) -> list[int]:
+        """Guesses for a decode: no more than the token budget and the request's max_tokens leave."""
+        if not self.proposer.speculates(seq):
+            return []
+        if seq.guess_pause:  # a step without guessing, overlapped
+            seq.guess_pause -= 1
+            return []
+        if seq.pending_row is not None:  # planned while its last token is still on the device
+            return []
+        draft = self.proposer.propose(seq.token_ids, min(budget - 1, seq.params.max_tokens - seq.num_output_tokens - 1))
+        if not draft:
+            self.proposer.missed(seq)
+        return draft
 
     def _schedule_beam_group(self, out: SchedulerOutput, group, budget: int) -> int:
         """Beams advance in lockstep: all of a group's sequences in one step, or none."""

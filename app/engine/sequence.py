@@ -64,6 +64,10 @@ class Sequence:
         self.reused_blocks = 0
         self.new_blocks = 0
         self.num_preemptions = 0
+        self.draft_tokens = 0  # speculation: tokens guessed for it, and those the model confirmed
+        self.accepted_draft_tokens = 0
+        self.guess_misses = 0  # guessing steps in a row that found nothing, or nothing right
+        self.guess_pause = 0  # steps to run without guessing (overlapped) before the next try
         # Overlapped steps: the last token is still on the device, as row `pending_row` of the step
         # in flight; its id here is a placeholder until the step is read back (Scheduler.update).
         self.pending_row: int | None = None

@@ -215,7 +215,8 @@ def generate_response(model: str, req: TritonGenerateRequest, chunk: TextChunk, 
                    kv_cache_alloc_total_blocks=m.kv_cache_alloc_total_blocks,
                    arrival_time_ns=m.arrival_time_ns, first_scheduled_time_ns=m.first_scheduled_time_ns,
                    first_token_time_ns=m.first_token_time_ns, last_token_time_ns=m.last_token_time_ns,
-                   acceptance_rate=0.0, total_accepted_draft_tokens=0, total_draft_tokens=0)
+                   acceptance_rate=m.acceptance_rate, total_accepted_draft_tokens=m.total_accepted_draft_tokens,
+                   total_draft_tokens=m.total_draft_tokens)
     return out
 
 

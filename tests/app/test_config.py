@@ -42,6 +42,9 @@ def test_an_app_that_can_take_no_adapter_reserves_no_slots(tmp_path):
     ({"scheduler_policy": "FASTEST"}, "scheduler_policy"),
     ({"serve": {"engine": {"num_replicas": "two"}}}, "serve.engine.num_replicas"),
     ({"kv_cache_config": {"tokens_per_block": 24}}, "tokens_per_block"),
+    ({"speculative_config": {"decoding_type": "Lookahead"}}, "speculative_config.decoding_type 'Lookahead'"),
+    ({"speculative_config": {"max_window_size": 4}}, "speculative_config.max_window_size"),
+    ({"speculative_config": {"max_draft_len": 0}}, "speculative_config.max_draft_len"),
 ])
 def test_bad_keys_stop_start_up_with_one_sentence(data, key):
     with pytest.raises(ConfigError) as err:
@@ -58,6 +61,8 @@ def test_unreadable_file(tmp_path):
 @pytest.mark.parametrize("data, says", [
     ({"cuda_graph_config": {"max_batch_size": 8}}, "cuda_graph_config is read by backend trtllm only"),
     ({"backend": "triton"}, "backend triton needs a 'triton' section with engine_dir"),
+    ({"backend": "triton", "triton": {"engine_dir": "/e"}, "speculative_config": {"max_draft_len": 4}},
+     "speculative_config is read by backends torch and trtllm"),
     ({"backend": "triton", "triton": {"engine_dir": "/e"}, "tensor_parallel_size": 2},
      "= 2 needs backend torch or trtllm"),
 ])
@@ -107,3 +112,5 @@ def test_every_engine_field_has_a_config_key_with_its_default():
             assert ServiceConfig.model_fields[field.name].default == field.default, field.name
     engine = parse_config({"cuda_graphs": False, "max_stop_words": 3}).engine_config()
     assert engine.cuda_graphs is False and engine.max_stop_words == 3
+    speculative = parse_config({"speculative_config": {"max_draft_len": 3}}).engine_config().speculative_config
+    assert (speculative.decoding_type, speculative.max_draft_len, speculative.max_matching_ngram_size) == ("NGram", 3, 3)

@@ -194,6 +194,25 @@ def _merged(outputs) -> tuple[list[int], list[float]]:
     return merged.outputs[0].token_ids, merged.outputs[0].logprobs
 
 
+def test_speculative_greedy_equals_plain_decoding_in_float32_with_cuda_graphs(tiny_llama_dir):
+    """Guesses ride in decode graphs as rows of their own (four sequences of up to five rows each),
+    between overlapped steps: the greedy tokens are plain decoding's. A random model repeats itself
+    too rarely to guess right, so the proposer here knows the answer and spoils its last guess: every
+    guessing step confirms some rows and rejects one."""
+    from tests.engine.test_speculative import spoiled_answers
+
+    prompts = random_prompts(4, 5, 12, 256, seed=11)
+    params = SamplingParams(max_tokens=40, temperature=0.0)
+    plain = _engine(tiny_llama_dir, "float32").generate(prompts, params)
+    engine = _engine(tiny_llama_dir, "float32", speculative_config={"max_draft_len": 4, "max_matching_ngram_size": 3})
+    assert engine.runner.shard.graphs is not None and engine.overlap
+    engine.proposer.propose = spoiled_answers(prompts, plain)
+    guessed = engine.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in guessed] == [o.outputs[0].token_ids for o in plain]
+    drafted = sum(o.metrics.total_draft_tokens for o in guessed)
+    assert 0 < sum(o.metrics.total_accepted_draft_tokens for o in guessed) < drafted
+
+
 def test_paged_decode_kernel_windows_and_softcaps_against_a_dense_reference():
     """The Triton decode kernel with sliding windows (one key; within a tile; a window starting mid-tile,
     so whole 128-token tiles before it are skipped; wider than the context) and a softcap, over 16-token

@@ -1,0 +1,169 @@
+"""N-gram speculation (prompt lookup): guesses from the sequence's own past, checked by the model in
+the step that computes its last token. Greedy outputs are token for token those of plain decoding
+and of transformers, in fewer steps, whatever ends them (max_tokens, a stop sequence, the end id)."""
+import pytest
+
+from app.engine import SamplingParams
+from app.engine.config import SpeculativeConfig
+from app.engine.speculative import NGramProposer
+from tests.conftest import hf_greedy, make_engine
+
+NGRAM = {"max_draft_len": 4, "max_matching_ngram_size": 3}
+CODE = ("def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\n"
+        "def mul(a, b):\n    return a * b\n")
+
+
+def test_the_proposer_takes_the_latest_match_of_the_longest_tail():
+    propose = NGramProposer(SpeculativeConfig(max_draft_len=3, max_matching_ngram_size=2)).propose
+    assert propose([1, 2, 3, 4, 5, 9, 2, 3], 10) == [4, 5, 9]  # the tail (2, 3) came before
+    assert propose([7, 3, 8, 1, 2, 3, 4, 5, 9, 7, 3], 10) == [8, 1, 2]  # (7, 3) beats a later (3,)
+    assert propose([3, 6, 1, 3, 5, 2, 3], 10) == [5, 2, 3]  # the latest (3,), not the first
+    assert propose([1, 2, 3, 4, 5, 9, 2, 3], 2) == [4, 5]  # no more than the limit
+    assert propose([1, 2, 3], 10) == [] and propose([4], 10) == []
+    # Token 256 is the bytes 00 01 00 00: a byte match across token boundaries is no match.
+    assert propose([256, 1, 0, 0, 1, 0], 10) == [0, 1, 0]
+
+
+def spoiled_answers(prompts, outputs, vocab: int = 256):
+    """A proposer that knows each prompt's answer (`outputs`, plain decoding's) and spoils its last
+    guess: each guessing step confirms some rows and rejects one, whatever the model."""
+    answers = {tuple(p): o.outputs[0].token_ids for p, o in zip(prompts, outputs)}
+
+    def propose(token_ids, limit):
+        prompt = next(p for p in answers if tuple(token_ids[:len(p)]) == p)
+        done = len(token_ids) - len(prompt)
+        guess = answers[prompt][done:done + min(limit, 4)]
+        return guess[:-1] + [(guess[-1] + 1) % vocab] if len(guess) > 1 else []
+    return propose
+
+
+def test_confirmed_and_rejected_guesses_under_overlap_give_plain_outputs(tiny_llama_dir):
+    """Known guesses with a wrong last one, four sequences at once, the overlap scheduler on (forced
+    here; CUDA's default): greedy tokens and logprobs are plain decoding's, blocks all come back."""
+    from tests.conftest import random_prompts
+
+    prompts = random_prompts(4, 5, 12, 256, seed=11)
+    params = SamplingParams(max_tokens=40, temperature=0.0, logprobs=True)
+    plain = make_engine(tiny_llama_dir).generate(prompts, params)
+    engine = make_engine(tiny_llama_dir, speculative_config=NGRAM)
+    engine.overlap = True
+    engine.proposer.propose = spoiled_answers(prompts, plain)
+    guessed = engine.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in guessed] == [o.outputs[0].token_ids for o in plain]
+    for a, b in zip(guessed, plain):
+        assert a.outputs[0].logprobs == pytest.approx(b.outputs[0].logprobs, abs=1e-4)
+    drafted = sum(o.metrics.total_draft_tokens for o in guessed)
+    assert 0 < sum(o.metrics.total_accepted_draft_tokens for o in guessed) < drafted
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def _chat(tokenizer, content: str) -> list[int]:
+    text = tokenizer.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
+                                         tokenize=False)
+    return tokenizer.encode(text)
+
+
+@pytest.fixture(scope="module")
+def copy_prompt(smollm2_tokenizer):
+    return _chat(smollm2_tokenizer, "Repeat this code exactly, then stop:\n" + CODE)
+
+
+@pytest.fixture(scope="module")
+def engines(smollm2_dir):
+    plain = make_engine(smollm2_dir, tokens_per_block=16)
+    guessing = make_engine(smollm2_dir, tokens_per_block=16, speculative_config=NGRAM)
+    return plain, guessing
+
+
+def _run(engine, prompts, params):
+    steps = engine.num_steps
+    outputs = engine.generate(prompts, params)
+    return outputs, engine.num_steps - steps
+
+
+def test_greedy_output_equals_plain_decoding_and_transformers_in_fewer_steps(engines, copy_prompt, smollm2_hf):
+    plain, guessing = engines
+    params = SamplingParams(max_tokens=60, temperature=0.0, logprobs=True, top_logprobs=2)
+    (expected,), plain_steps = _run(plain, [copy_prompt], params)
+    (out,), steps = _run(guessing, [copy_prompt], params)
+    assert out.outputs[0].token_ids == expected.outputs[0].token_ids == hf_greedy(smollm2_hf, copy_prompt, 60)
+    m = out.metrics
+    assert m.total_draft_tokens > 0 and 0 < m.total_accepted_draft_tokens <= m.total_draft_tokens
+    assert m.acceptance_rate == m.total_accepted_draft_tokens / m.total_draft_tokens
+    assert steps < plain_steps * 0.75, (steps, plain_steps)  # one prefill step, then the decodes
+    # A confirmed guess's logprobs come from its own row: those decoding computes, within float32 noise.
+    for a, b in zip(out.outputs[0].logprobs, expected.outputs[0].logprobs):
+        assert abs(a - b) < 1e-3
+    assert [ids for ids, _ in out.outputs[0].top_logprobs] == [ids for ids, _ in expected.outputs[0].top_logprobs]
+
+
+@pytest.mark.parametrize("ending", ["max_tokens", "stop", "eos"])
+def test_an_end_inside_the_confirmed_guesses_ends_the_output_there(engines, copy_prompt, smollm2_tokenizer, ending):
+    """max_tokens, a stop sequence or the end id among the tokens one step confirms: the output ends
+    where plain decoding ends it, and the sequence's blocks go back."""
+    plain, guessing = engines
+    if ending == "eos":  # an answer SmolLM2 ends itself, 12 tokens long, most of them confirmed guesses
+        copy_prompt = _chat(smollm2_tokenizer, "Fix the typo and repeat the sentence: The cat sat on teh mat "
+                                               "and looked at the door.")
+    (reference,), _ = _run(plain, [copy_prompt], SamplingParams(max_tokens=120, temperature=0.0))
+    tokens = reference.outputs[0].token_ids
+    params = {"max_tokens": SamplingParams(max_tokens=23, temperature=0.0),
+              "stop": SamplingParams(max_tokens=120, temperature=0.0, stop_token_ids=[tokens[30:32]]),
+              "eos": SamplingParams(max_tokens=120, temperature=0.0)}[ending]
+    (expected,), _ = _run(plain, [copy_prompt], params)
+    (out,), _ = _run(guessing, [copy_prompt], params)
+    assert out.outputs[0].token_ids == expected.outputs[0].token_ids
+    assert (out.outputs[0].finish_reason, out.outputs[0].stop_reason) == \
+        (expected.outputs[0].finish_reason, expected.outputs[0].stop_reason)
+    if ending == "eos":
+        assert expected.outputs[0].finish_reason == "stop" and out.metrics.total_accepted_draft_tokens > 0
+    assert guessing.block_manager.num_free_blocks == guessing.block_manager.num_blocks
+
+
+def test_guesses_mix_with_sampled_requests_and_leave_the_prefix_cache_sound(engines, copy_prompt):
+    """A batch of guessing and sampling requests: greedy outputs are plain decoding's, seeded samples
+    those of the plain engine (they never guess); run again, the second round reuses the cached
+    blocks the first wrote (rejected guesses' KV never entered the cache) and answers the same."""
+    plain, guessing = engines
+    greedy = SamplingParams(max_tokens=48, temperature=0.0)
+    sampled = SamplingParams(max_tokens=24, temperature=0.8, seed=5)
+    prompts = [copy_prompt, copy_prompt[:-7], copy_prompt]
+    params = [greedy, greedy, sampled]
+    expected, _ = _run(plain, prompts, params)
+    first, _ = _run(guessing, prompts, params)
+    second, _ = _run(guessing, prompts, params)
+    assert [o.outputs[0].token_ids for o in first] == [o.outputs[0].token_ids for o in expected]
+    assert [o.outputs[0].token_ids for o in second] == [o.outputs[0].token_ids for o in expected]
+    assert all(o.metrics.kv_cache_reused_blocks > 0 for o in second)
+    assert first[2].metrics.total_draft_tokens == 0  # sampling does not guess
+
+
+def test_requests_with_logit_processors_do_not_guess(engines, copy_prompt):
+    _, guessing = engines
+    for params in (SamplingParams(max_tokens=16, temperature=0.0, repetition_penalty=1.2),
+                   SamplingParams(max_tokens=16, temperature=0.0, logit_bias={5: 1.0}),
+                   SamplingParams(max_tokens=16, temperature=0.0, min_tokens=8, ignore_eos=False)):
+        (out,), _ = _run(guessing, [copy_prompt], params)
+        guessed = out.metrics.total_draft_tokens
+        assert guessed == 0 if params.min_tokens == 0 else guessed > 0  # past min_tokens, a plain greedy one does
+
+
+def test_guessing_and_overlapped_steps_take_turns(engines, copy_prompt, smollm2_tokenizer):
+    """Under the overlap scheduler (on by default on CUDA, forced here): a step that guesses needs the
+    last token read back, so it runs alone; a sequence whose guesses miss pauses guessing and its
+    steps overlap again. Outputs stay plain decoding's."""
+    plain, guessing = engines
+    prompts = [copy_prompt, _chat(smollm2_tokenizer, "Write a short poem about the sea.")]
+    params = SamplingParams(max_tokens=64, temperature=0.0)
+    launched = []
+    launch = guessing.runner.launch
+    guessing.runner.launch = lambda *args: launched.append(1) or launch(*args)
+    plain.overlap = guessing.overlap = True
+    try:
+        expected, _ = _run(plain, prompts, params)
+        outputs, _ = _run(guessing, prompts, params)
+    finally:
+        plain.overlap = guessing.overlap = False
+        guessing.runner.launch = launch
+    assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in expected]
+    assert sum(o.metrics.total_accepted_draft_tokens for o in outputs) > 0 and len(launched) > 0

@@ -1,0 +1,114 @@
+"""N-gram speculation at batch 1: the same engine settings with and without `speculative_config`, on
+requests whose answers copy spans of their prompt (code to repeat or edit, text to correct) and on
+requests whose answers do not (questions), one request at a time, greedy.
+
+    python -m tools.bench.speculative --model smollm2-135m --device cuda --dtype bfloat16 --json out.json
+
+Reports output tok/s for each, the speedup, the acceptance rate, and whether the outputs equal
+(batch-size-dependent rounding may flip a near-tie in 16-bit: the count of equal outputs is reported).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+from transformers import AutoTokenizer
+
+from app.engine import EngineConfig, LLMEngine, SamplingParams
+
+CODE = '''def load_config(path):
+    with open(path) as f:
+        data = json.load(f)
+    if "name" not in data:
+        raise ValueError("config needs a name")
+    return Config(name=data["name"], size=data.get("size", 1), tags=data.get("tags", []))
+
+
+def save_config(config, path):
+    with open(path, "w") as f:
+        json.dump({"name": config.name, "size": config.size, "tags": config.tags}, f, indent=2)
+'''
+TEXT = ("The committee met on Tuesday to review the budget for the coming year. After a long discussion, "
+        "the members agreed to increase funding for the library by ten percent and to postpone the decision "
+        "on the new sports hall until the spring meeting. The chair thanked everyone for their patience.")
+COPYING = [
+    "Repeat this code exactly, then stop:\n" + CODE,
+    "Rename the function load_config to read_config everywhere in this code and show the whole result:\n" + CODE,
+    "Add a docstring to each function of this code and show the whole code:\n" + CODE,
+    "Correct any spelling mistakes in this text and repeat it in full:\n" + TEXT.replace("members", "membres"),
+    "Copy this paragraph word for word:\n" + TEXT,
+]
+ASKING = ["What is machine learning?", "Write a short poem about the sea.", "Give three tips for learning to cook.",
+          "Why is the sky blue?", "Describe a busy train station in the morning."]
+
+
+def run(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> dict:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    engine.generate([prompts[0][:8]], SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
+    tokens, wall, outputs, drafted, accepted = 0, 0.0, [], 0, 0
+    per_request = []
+    for prompt in prompts:
+        start = time.perf_counter()
+        (out,) = engine.generate([prompt], params)
+        elapsed = time.perf_counter() - start
+        n = len(out.outputs[0].token_ids)
+        tokens, wall = tokens + n, wall + elapsed
+        per_request.append(n / elapsed)
+        outputs.append(out.outputs[0].token_ids)
+        drafted += out.metrics.total_draft_tokens
+        accepted += out.metrics.total_accepted_draft_tokens
+    return {"output_tokens": tokens, "wall_s": wall, "tok_s": tokens / wall,
+            "median_request_tok_s": statistics.median(per_request), "draft_tokens": drafted,
+            "accepted_draft_tokens": accepted, "acceptance_rate": accepted / drafted if drafted else 0.0,
+            "outputs": outputs}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--load-format", default="auto", help="dummy: random weights (speed and overhead only)")
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--max-draft-len", type=int, default=4)
+    parser.add_argument("--ngram", type=int, default=3)
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    results = {}
+    for name, speculative in (("plain", None), ("ngram", {"max_draft_len": args.max_draft_len,
+                                                          "max_matching_ngram_size": args.ngram})):
+        engine = LLMEngine(EngineConfig(model=args.model, device=args.device, dtype=args.dtype, max_batch_size=16,
+                                        load_format=args.load_format,
+                                        speculative_config=speculative,
+                                        kv_cache_config={"max_tokens": 65536, "tokens_per_block": 32}))
+        tokenizer = AutoTokenizer.from_pretrained(engine.model_dir)
+
+        def chat(text: str) -> list[int]:
+            if tokenizer.chat_template is None:  # a shape's synthetic tokenizer (tools/gpu/make_tokenizer.py)
+                return tokenizer.encode(text)
+            return tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                                                  add_generation_prompt=True, tokenize=False))
+        results[name] = {workload: run(engine, [chat(p) for p in prompts], args.max_tokens)
+                         for workload, prompts in (("copying", COPYING), ("asking", ASKING))}
+        engine.shutdown()
+        del engine
+    report = {"args": vars(args), "workloads": {}}
+    for workload in ("copying", "asking"):
+        plain, ngram = results["plain"][workload], results["ngram"][workload]
+        equal = sum(a == b for a, b in zip(plain["outputs"], ngram["outputs"]))
+        row = {"plain_tok_s": plain["tok_s"], "ngram_tok_s": ngram["tok_s"], "speedup": ngram["tok_s"] / plain["tok_s"],
+               "acceptance_rate": ngram["acceptance_rate"], "draft_tokens": ngram["draft_tokens"],
+               "output_tokens": plain["output_tokens"], "equal_outputs": f"{equal}/{len(plain['outputs'])}"}
+        report["workloads"][workload] = row
+        print(f"{workload:8s} plain {row['plain_tok_s']:7.1f} tok/s  ngram {row['ngram_tok_s']:7.1f} tok/s  "
+              f"x{row['speedup']:.2f}  acceptance {row['acceptance_rate']:.2f}  equal outputs {row['equal_outputs']}",
+              flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

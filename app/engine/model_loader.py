@@ -70,7 +70,8 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors in {model_dir}")
-    return files
+    # Without an index too: Mistral's consolidated file holds the same weights under other names.
+    return [f for f in files if not f.name.startswith("consolidated")] or files
 
 
 def convert_gguf(gguf_path: Path) -> Path:

@@ -144,7 +144,8 @@ def validate_request(prompt_token_ids: list[int], p: SamplingParams, limits: Req
     _check(0 <= p.min_tokens <= p.max_tokens, "min_tokens", f"must be in [0, max_tokens={p.max_tokens}]")
     _check(1 <= p.n <= limits.max_return_sequences, "n",
            f"must be in [1, {limits.max_return_sequences}] (this server's max_return_sequences)")
-    _check(1 <= p.beam_width <= limits.max_beam_width, "beam_width", f"must be in [1, {limits.max_beam_width}]")
+    _check(1 <= p.beam_width <= limits.max_beam_width, "beam_width",
+           f"must be in [1, {limits.max_beam_width}] (this server's max_beam_width)")
     if p.beam_width > 1:
         _check(p.n <= p.beam_width, "n", f"must not exceed beam_width ({p.beam_width}) with beam search")
         _check(p.guide is None, p.guide.field if p.guide else "", "guided decoding does not combine with beam search")

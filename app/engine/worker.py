@@ -199,16 +199,21 @@ def worker_main(config: EngineConfig, model_dir: str, max_seq_len: int, layout: 
     dist = Distributed(layout, init_method, torch.device(device))
     try:
         shard = ModelShard(config, Path(model_dir), max_seq_len, torch.device(device), dist)
-        while True:
-            command, *args = dist.broadcast()
-            if command is RankCommand.STEP:
-                shard.execute(*args)
-            elif command is RankCommand.ADD_LORA:
-                name, path, in_use = args
-                shard.loras.add(name, shard.loras.prepare(name, path), in_use)
-            elif command is RankCommand.STOP:
-                return
-            else:  # a rank that skipped a command would fall out of step with rank 0 for good
-                raise ValueError(f"rank {layout.rank}: unknown command {command!r} from rank 0")
+        while run_command(shard, *dist.broadcast()):
+            pass
     finally:
         dist.close()
+
+
+def run_command(shard: ModelShard, command: RankCommand, *args) -> bool:
+    """Do what rank 0 broadcast; False when told to stop."""
+    if command is RankCommand.STEP:
+        shard.execute(*args)
+    elif command is RankCommand.ADD_LORA:
+        name, path, in_use = args
+        shard.loras.add(name, shard.loras.prepare(name, path), in_use)
+    elif command is RankCommand.STOP:
+        return False
+    else:  # a rank that skipped a command would fall out of step with rank 0 for good
+        raise ValueError(f"rank {shard.layout.rank}: unknown command {command!r} from rank 0")
+    return True

@@ -138,6 +138,10 @@ def parse_generate(model: str, body: Any, served_name: str,
         raise InvalidRequestError("input_ids", f"is only taken by the '{IDS_MODEL}' model")
     # TensorRT-LLM's rule: a request that sets no sampling knob (top_k, top_p 0 or absent) decodes greedily.
     greedy = req.temperature == 0.0 or (not req.top_k and not req.top_p and req.temperature is None)
+    n = req.num_return_sequences or _default_n(req)
+    if req.best_of is not None and req.best_of != n:  # TensorRT-LLM: generate best_of, return the n likeliest
+        raise InvalidRequestError("best_of", f"generating more sequences than are returned is not supported: "
+                                             f"best_of must equal the number returned ({n})")
     params = SamplingParams(
         max_tokens=req.max_tokens or max_tokens_default, end_id=req.end_id, pad_id=req.pad_id,
         temperature=0.0 if greedy else (req.temperature if req.temperature is not None else 1.0),
@@ -145,7 +149,7 @@ def parse_generate(model: str, body: Any, served_name: str,
         repetition_penalty=req.repetition_penalty or 1.0, presence_penalty=req.presence_penalty or 0.0,
         frequency_penalty=req.frequency_penalty or 0.0, min_tokens=req.min_tokens or 0,
         stop_token_ids=req.stop_token_ids or [], bad_token_ids=req.bad_token_ids or [],
-        logprobs=bool(req.return_log_probs), n=req.num_return_sequences or _default_n(req),
+        logprobs=bool(req.return_log_probs), n=n,
         beam_width=req.beam_width or 1, ignore_eos=bool(req.ignore_eos), length_penalty=req.length_penalty if req.length_penalty is not None else 1.0,
         guide=_guide(req))
     job = GenerationJob(request_id=req.request_id or uuid.uuid4().hex, params=params, prompt=req.text_input,
@@ -171,7 +175,7 @@ def _guide(req: TritonGenerateRequest) -> Guide | None:
 
 def _default_n(req) -> int:
     """Triton returns every beam unless num_return_sequences says fewer."""
-    return req.beam_width if (req.beam_width or 1) > 1 else (req.best_of or 1)
+    return req.beam_width if (req.beam_width or 1) > 1 else 1
 
 
 def _adapter(req: TritonGenerateRequest) -> AdapterRef | None:

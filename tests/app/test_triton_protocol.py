@@ -28,6 +28,11 @@ def test_llmapi_fields():
     assert job.params.max_tokens == 9 and job.params.temperature == 0.7 and req.return_perf_metrics
 
 
+def test_best_of_equal_to_what_is_returned_is_accepted():
+    job, _ = _parse({"text_input": "hi", "best_of": 2, "num_return_sequences": 2, "temperature": 0.5})
+    assert job.params.n == 2
+
+
 @pytest.mark.parametrize("body, field", [
     ([1, 2], "body"),
     ({"text_input": "hi", "parameters": [1]}, "parameters"),
@@ -36,6 +41,8 @@ def test_llmapi_fields():
     ({"text_input": "hi", "lora_id": 3}, "lora_id"),
     ({"text_input": "hi", "stop": True}, "stop"),
     ({"input_ids": [1, 2]}, "input_ids"),
+    ({"text_input": "hi", "best_of": 3}, "best_of"),  # generating 3 to return the likeliest 1 is not built
+    ({"text_input": "hi", "best_of": 4, "num_return_sequences": 2}, "best_of"),
 ])
 def test_refusals_name_the_field(body, field):
     with pytest.raises(InvalidRequestError) as err:

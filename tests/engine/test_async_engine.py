@@ -116,3 +116,37 @@ def test_a_stuck_step_makes_the_engine_unhealthy(tiny_llama_dir):
     unhealthy_while_stuck, tokens = asyncio.run(main())
     assert unhealthy_while_stuck and len(tokens) == 2 and front.healthy
     front.shutdown()
+
+
+def test_stats_and_health_read_during_load_never_fail(async_engine):
+    """Other threads read only the snapshot the loop publishes: hammering stats(), has_lora() and
+    healthy while streams run raises nothing (iterating the engine's live queues from another
+    thread raised "deque mutated during iteration" at random) and sees the steps advance."""
+    import threading
+
+    stop, errors, steps = threading.Event(), [], set()
+
+    def hammer():
+        while not stop.is_set():
+            try:
+                steps.add(async_engine.stats().steps)
+                assert async_engine.healthy and not async_engine.has_lora("none")
+            except Exception as exc:  # noqa: BLE001 - collected for the assertion below
+                errors.append(exc)
+
+    async def load():
+        params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+        prompts = random_prompts(16, 5, 40, vocab=256, seed=23)
+        return await asyncio.gather(*(_collect(async_engine, f"h{i}", p, params) for i, p in enumerate(prompts)))
+
+    readers = [threading.Thread(target=hammer) for _ in range(2)]
+    for reader in readers:
+        reader.start()
+    try:
+        results = asyncio.run(load())
+    finally:
+        stop.set()
+        for reader in readers:
+            reader.join()
+    assert not errors and len(steps) > 2
+    assert all(len(tokens) == 24 for tokens, _ in results)

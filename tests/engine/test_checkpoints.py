@@ -41,6 +41,12 @@ def test_sharded_checkpoint_reads_what_its_index_names(sharded, expected):
     assert _outputs(sharded) == expected
 
 
+def test_a_single_file_checkpoint_beside_a_consolidated_one_reads_its_own(tiny_llama_dir, tmp_path, expected):
+    shutil.copytree(tiny_llama_dir, tmp_path, dirs_exist_ok=True)  # no index: model.safetensors alone
+    save_file({"tok_embeddings.weight": torch.zeros(3, 3)}, tmp_path / "consolidated.safetensors")
+    assert _outputs(tmp_path) == expected
+
+
 def test_missing_shard_is_named(sharded):
     index = json.loads((sharded / "model.safetensors.index.json").read_text())
     gone = sorted(set(index["weight_map"].values()))[1]

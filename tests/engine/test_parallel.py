@@ -80,3 +80,13 @@ def test_control_broadcast_carries_messages_larger_than_its_buffer():
     for process in ranks:
         process.join(timeout=30)
     assert got == {0: [SMALL, LARGE], 1: [SMALL, LARGE]}
+
+
+def test_a_rank_refuses_a_command_it_does_not_know(single_engine):
+    """A rank that skipped a command would fall out of step with rank 0: it stops, naming it."""
+    from app.engine.worker import RankCommand, run_command
+
+    shard = single_engine.runner.shard
+    with pytest.raises(ValueError, match="unknown command 'resize' from rank 0"):
+        run_command(shard, "resize")
+    assert run_command(shard, RankCommand.STOP) is False

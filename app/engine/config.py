@@ -55,9 +55,10 @@ class SpeculativeConfig:
         if self.decoding_type != "NGram":
             raise ValueError(f"speculative_config.decoding_type {self.decoding_type!r} is not supported by the "
                              "torch engine (NGram)")
-        for name in ("max_draft_len", "max_matching_ngram_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"speculative_config.{name} must be at least 1, got {getattr(self, name)}")
+        for name, most in (("max_draft_len", 32), ("max_matching_ngram_size", 16)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= most:
+                raise ValueError(f"speculative_config.{name} must be an integer in [1, {most}], got {value!r}")
 
 
 @dataclass

@@ -36,7 +36,6 @@ class Request:
     beam: BeamGroup | None = None
     arrival_ns: int = 0
     aborted: bool = False
-    speculative: bool = False  # its decodes may carry guesses (app/engine/speculative.py)
 
     @property
     def finished(self) -> bool:
@@ -47,10 +46,9 @@ class Request:
     @property
     def overlappable(self) -> bool:
         """Whether its steps can be queued before the last one is read back: sampling that looks
-        at earlier token values (penalties, bad words), beams, or guesses need every token on the host."""
+        at earlier token values (penalties, bad words) or beams need every token on the host."""
         p = self.params
-        return (self.beam is None and not p.needs_penalties and not p.bad_token_ids and p.guide is None
-                and not (self.speculative and any(NGramProposer.wants_to_guess(seq) for seq in self.seqs)))
+        return self.beam is None and not p.needs_penalties and not p.bad_token_ids and p.guide is None
 
 
 class LLMEngine:
@@ -105,8 +103,7 @@ class LLMEngine:
                          self._generator(params, i), adapter_id, arrival_ns) for i in range(num_seqs)]
         beam = BeamGroup(seqs[0], params.beam_width) if params.beam_width > 1 else None
         # A beam search's sequences are its group's: the list grows as beams fork.
-        request = Request(request_id, params, beam.seqs if beam else seqs, beam, arrival_ns,
-                          speculative=self.proposer is not None and self.proposer.may_speculate(params))
+        request = Request(request_id, params, beam.seqs if beam else seqs, beam, arrival_ns)
         self.requests[request_id] = request
         if compiling is not None:
             self.compiling[request_id] = (compiling, time.monotonic() + self.grammars.timeout_s)
@@ -222,7 +219,8 @@ class LLMEngine:
         a stop token may compute one extra token, which is dropped."""
         in_flight = self._in_flight.plan.scheduled if self._in_flight is not None else []
         self._stepping = {item.seq.request_id for item in in_flight}
-        overlap = self.overlap and all(r.overlappable for rid, r in self.requests.items() if rid not in self.compiling)
+        overlap = (self.overlap and all(r.overlappable for rid, r in self.requests.items() if rid not in self.compiling)
+                   and not self.scheduler.guesses_next())
         if not overlap and self._in_flight is not None:  # catch up before a step that needs every token
             return self._finish(self._take_in_flight())
         plan = self.scheduler.schedule()

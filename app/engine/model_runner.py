@@ -93,6 +93,8 @@ class ModelRunner:
     def launch(self, plan: SchedulerOutput, previous: LaunchedStep | None) -> LaunchedStep:
         """Queue the step on the device and return without waiting for it. Inputs that are tokens
         of `previous` still on the device (Sequence.pending_row) are read there. One rank only."""
+        # A guess follows the sequence's last token on the host: a step with guesses never overlaps.
+        assert not any(item.draft for item in plan.scheduled), "a step with guesses was launched overlapped"
         logits, seqs = self._run(plan, previous.sample.token_ids if previous is not None else None)
         return LaunchedStep(plan, seqs, self.sampler.sample(logits, seqs))
 

@@ -170,16 +170,18 @@ class Scheduler:
             accepted = 0
             while accepted < len(item.draft) and item.draft[accepted] == sampled.token_ids[rows[accepted]]:
                 accepted += 1
-            seq.draft_tokens += len(item.draft)
-            seq.accepted_draft_tokens += accepted
             if accepted:
                 seq.guess_misses = 0
             else:
                 self.proposer.missed(seq)
+            taken = 0
             for row in rows[:accepted + 1]:
                 seq.append_token(sampled.token_ids[row], sampled.logprobs[row], sampled.top_logprobs.get(row))
+                taken += 1
                 if seq.check_stop() is not None:
                     break
+            seq.draft_tokens += len(item.draft)
+            seq.accepted_draft_tokens += min(accepted, taken)  # not those an end cut off
             # Rows past the first wrong guess wrote KV the next steps overwrite: not computed.
             seq.num_computed_tokens = min(known + accepted, seq.num_tokens)
         return drafted
@@ -215,13 +217,25 @@ class Scheduler:
             return remaining
         return budget if self.limits.chunked_prefill else 0
 
+    def _guessing_decodes(self) -> list[Sequence]:
+        """The running decodes that may guess this step: all of them, while every decode row of the
+        step (a guess is a row) fits one decode graph, where the batch is small and a step costs
+        about the same for a few more rows; none in a fuller batch, which gains nothing from them."""
+        if self.proposer is None:
+            return []
+        decodes = [s for s in self.running if s.num_tokens - s.num_computed_tokens == 1]
+        if len(decodes) * (self.proposer.max_draft_len + 1) > self.limits.max_batch_size:
+            return []
+        return [s for s in decodes if self.proposer.speculates(s)]
+
+    def guesses_next(self) -> bool:
+        """Whether the next plan gives some decode guesses. The step before it must then be read
+        back first (a guess follows the last token), so the engine does not overlap that plan."""
+        return any(seq.guess_pause == 0 for seq in self._guessing_decodes())
+
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         done_groups = set()
-        decodes = sum(1 for s in self.running if s.num_tokens - s.num_computed_tokens == 1)
-        # Guesses while every decode row of the step fits one decode graph: where the batch is small
-        # and a step costs the same for a few more rows. A full batch gains nothing from them.
-        speculate = self.proposer is not None and \
-            decodes * (self.proposer.max_draft_len + 1) <= self.limits.max_batch_size
+        guessing = set(self._guessing_decodes())
         # Decodes before prefill chunks, so that a long prompt cannot starve the batch.
         for seq in sorted(self.running, key=lambda s: s.num_tokens - s.num_computed_tokens > 1):
             if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
@@ -235,28 +249,39 @@ class Scheduler:
             n = self._tokens_for(seq, budget)
             if n == 0:
                 continue
-            draft = self._draft(seq, budget) if n == 1 and speculate else []
-            if draft and not self.blocks.ensure_slots(seq, seq.num_computed_tokens + 1 + len(draft)):
-                draft = []  # no blocks to spare for guesses: decode plainly, never evict for a guess
             if not self._grow_or_preempt(seq, seq.num_computed_tokens + n, out):
                 continue
+            draft = self._draft(seq, budget) if seq in guessing else []
             out.scheduled.append(ScheduledSeq(seq, n + len(draft), seq.num_computed_tokens, draft))
             budget -= n + len(draft)
         return budget
 
     def _draft(self, seq: Sequence, budget: int) -> list[int]:
-        """Guesses for a decode: no more than the token budget and the request's max_tokens leave."""
-        if not self.proposer.speculates(seq):
-            return []
+        """Guesses for a decode whose own token is scheduled: no more than the token budget, the
+        request's max_tokens and the KV slots allow."""
         if seq.guess_pause:  # a step without guessing, overlapped
             seq.guess_pause -= 1
             return []
         if seq.pending_row is not None:  # planned while its last token is still on the device
             return []
-        draft = self.proposer.propose(seq.token_ids, min(budget - 1, seq.params.max_tokens - seq.num_output_tokens - 1))
+        limit = min(budget - 1, seq.params.max_tokens - seq.num_output_tokens - 1, self._slots_for_guesses(seq))
+        if limit < 1:  # no room this step: not a miss
+            return []
+        draft = self.proposer.propose(seq.token_ids, limit)
         if not draft:
             self.proposer.missed(seq)
         return draft
+
+    def _slots_for_guesses(self, seq: Sequence) -> int:
+        """KV slots guesses may take. Under GUARANTEED_NO_EVICT the sequence's blocks up to its
+        max_tokens are reserved already, so a guess may take the next block early. Under
+        MAX_UTILIZATION a guess never takes a new block: one it took could make a later sequence
+        evict, or push a cached prefix out of the pool."""
+        held = len(seq.block_table) * self.blocks.block_size - (seq.num_computed_tokens + 1)
+        if self.limits.policy is SchedulerPolicy.MAX_UTILIZATION:
+            return held
+        wanted = min(seq.num_computed_tokens + 1 + self.proposer.max_draft_len, seq.max_total_tokens)
+        return wanted - (seq.num_computed_tokens + 1) if self.blocks.ensure_slots(seq, wanted) else held
 
     def _schedule_beam_group(self, out: SchedulerOutput, group, budget: int) -> int:
         """Beams advance in lockstep: all of a group's sequences in one step, or none."""

@@ -22,6 +22,8 @@ from app.engine.sequence import Sequence
 
 
 MAX_PAUSE_STEPS = 32
+SEARCH_TOKENS = 8192  # how far back a tail is looked for: the cost of a lookup stays flat in long contexts
+MAX_MISALIGNED = 16  # byte matches across token boundaries skipped per tail before giving up on it
 
 
 class NGramProposer:
@@ -41,11 +43,6 @@ class NGramProposer:
         return self.may_speculate(p) and (p.ignore_eos or seq.num_output_tokens >= p.min_tokens)
 
     @staticmethod
-    def wants_to_guess(seq: Sequence) -> bool:
-        """Whether its next step guesses (then the step before it must be read back first)."""
-        return seq.guess_pause == 0 and not seq.is_finished
-
-    @staticmethod
     def missed(seq: Sequence) -> None:
         """Nothing to guess, or every guess wrong: guessing costs the step its overlap with the host,
         so the sequence steps without it for a while, twice as long after each miss in a row."""
@@ -60,17 +57,18 @@ class NGramProposer:
             return []
         # bytes.rfind scans in C: a few microseconds for thousands of tokens, where a Python loop
         # over them would cost a small model's whole decode step.
-        tokens = array("i", token_ids)
+        window = token_ids[-SEARCH_TOKENS:]
+        tokens = array("i", window)
         data, width = tokens.tobytes(), tokens.itemsize
-        for n in range(min(self.max_ngram, len(token_ids) - 1), 0, -1):
+        for n in range(min(self.max_ngram, len(window) - 1), 0, -1):
             tail = data[-n * width:]
             end = len(data) - width  # a match must leave at least one token after it, before the tail's end
-            while True:
+            for _ in range(MAX_MISALIGNED):
                 at = data.rfind(tail, 0, end)
                 if at < 0:
                     break
                 if at % width == 0:  # a match across token boundaries is no match
                     start = at // width + n
-                    return token_ids[start:start + limit]
+                    return window[start:start + limit]
                 end = at + len(tail) - 1
         return []

@@ -7,6 +7,7 @@ from app.engine import SamplingParams
 from app.engine.config import SpeculativeConfig
 from app.engine.speculative import NGramProposer
 from tests.conftest import hf_greedy, make_engine
+from tests.engine.test_lora import adapter_dirs, expected  # noqa: F401 - fixtures
 
 NGRAM = {"max_draft_len": 4, "max_matching_ngram_size": 3}
 CODE = ("def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\n"
@@ -167,3 +168,62 @@ def test_guessing_and_overlapped_steps_take_turns(engines, copy_prompt, smollm2_
         guessing.runner.launch = launch
     assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in expected]
     assert sum(o.metrics.total_accepted_draft_tokens for o in outputs) > 0 and len(launched) > 0
+
+
+def test_a_batch_too_large_to_guess_keeps_overlapping(tiny_llama_dir):
+    """Four decodes of five rows each outgrow max_batch_size 8: nobody guesses, and the overlap
+    scheduler keeps running (a sequence that could guess but is not allowed to must not hold it)."""
+    from tests.conftest import random_prompts
+
+    prompts = random_prompts(4, 5, 12, 256, seed=12)
+    params = SamplingParams(max_tokens=30, temperature=0.0)
+    plain = make_engine(tiny_llama_dir, max_batch_size=8).generate(prompts, params)
+    engine = make_engine(tiny_llama_dir, max_batch_size=8, speculative_config=NGRAM)
+    engine.overlap = True
+    engine.proposer.propose = spoiled_answers(prompts, plain)  # it would guess, were it allowed
+    launched = []
+    launch = engine.runner.launch
+    engine.runner.launch = lambda *args: launched.append(1) or launch(*args)
+    outputs = engine.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in plain]
+    assert sum(o.metrics.total_draft_tokens for o in outputs) == 0 and len(launched) >= 25
+
+
+def test_guesses_under_preemption_give_plain_outputs(tiny_llama_dir):
+    """MAX_UTILIZATION over a pool too small for the batch: sequences are preempted and recomputed
+    while others guess (a guess never takes a new block there); outputs are plain decoding's."""
+    from tests.conftest import random_prompts
+
+    prompts = random_prompts(6, 30, 40, 256, seed=13)
+    params = SamplingParams(max_tokens=40, temperature=0.0)
+    tight = dict(max_tokens=256, scheduler_policy="MAX_UTILIZATION")
+    plain_engine = make_engine(tiny_llama_dir, **tight)
+    plain = plain_engine.generate(prompts, params)
+    engine = make_engine(tiny_llama_dir, speculative_config=NGRAM, **tight)
+    engine.proposer.propose = spoiled_answers(prompts, plain)
+    outputs = engine.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in plain]
+    assert engine.scheduler.num_preempted_total > 0 and sum(o.metrics.total_accepted_draft_tokens for o in outputs) > 0
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_guesses_ride_with_lora_adapters(tiny_llama_dir, adapter_dirs, expected):  # noqa: F811
+    """Each guess row carries its sequence's adapter: mixed adapters answer as peft does."""
+    from app.engine.outputs import CompletionOutput, RequestOutput
+
+    prompts, out = expected
+    pairs = [(0, "a"), (1, None), (2, "b"), (0, "d")]
+    engine = make_engine(tiny_llama_dir, speculative_config=NGRAM)
+    for name in ("a", "b", "d"):
+        engine.add_lora(name, adapter_dirs[name])
+    answers = [RequestOutput("", [CompletionOutput(0, out[pair], None, 0.0, None)], True) for pair in pairs]
+    engine.proposer.propose = spoiled_answers([prompts[i] for i, _ in pairs], answers)
+    params = SamplingParams(max_tokens=16, temperature=0.0)
+    for k, (i, name) in enumerate(pairs):
+        engine.add_request(f"r{k}", prompts[i], params, adapter_id=name)
+    tokens, drafted = {}, 0
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            tokens.setdefault(o.request_id, []).extend(o.outputs[0].token_ids)
+            drafted += o.metrics.total_draft_tokens if o.finished else 0
+    assert [tokens[f"r{k}"] for k in range(len(pairs))] == [out[pair] for pair in pairs] and drafted > 0

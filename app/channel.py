@@ -85,8 +85,9 @@ def _keep_alive(sock: socket.socket | None) -> None:
 class _Inbox:
     """One request's items at the consumer: a single slot, merged while its reader lags."""
 
-    def __init__(self, merge: Callable[[Any, Any], Any]):
+    def __init__(self, merge: Callable[[Any, Any], Any], stop: asyncio.Event | None):
         self.merge = merge
+        self.stop = stop
         self.pending = None
         self.connection: object | None = None  # the connection its items come on
         self.changed = asyncio.Event()
@@ -98,12 +99,15 @@ class _Inbox:
         self.changed.set()
 
     async def get(self):
+        """The next item, or None once `stop` is set."""
         deadline = None
         while True:
             self.changed.clear()
             if self.pending is not None:
                 item, self.pending = self.pending, None
                 return item
+            if self.stop is not None and self.stop.is_set():
+                return None
             call = self.call
             if call.done() and call.cancelled():
                 raise ChannelError("the producer's call was cancelled")
@@ -147,26 +151,34 @@ class Inbound:
                 self._server = await asyncio.start_server(self._serve, self.host, 0)
                 self.port = self._server.sockets[0].getsockname()[1]
 
-    async def receive(self, start: Callable[[ReplyTo], Call]) -> AsyncIterator:
+    async def receive(self, start: Callable[[ReplyTo], Call], stop: asyncio.Event | None = None) -> AsyncIterator:
         """The items of the call `start(reply_to)` until its final one. The call's error ends the
-        stream after the items that came before it; leaving early cancels the call."""
+        stream after the items that came before it; leaving early cancels the call, and so does
+        setting `stop` (a stop request by id), which ends the stream as if its reader had left."""
         if self._server is None:
             await self._start()
         key = next(self.keys)
-        inbox = self.inboxes[key] = _Inbox(self.merge)
-        finished, call = False, None
+        inbox = self.inboxes[key] = _Inbox(self.merge, stop)
+        finished, call, waker = False, None, None
+        if stop is not None:
+            waker = asyncio.ensure_future(stop.wait())
+            waker.add_done_callback(lambda _: inbox.changed.set())
         try:
             call = start(ReplyTo(self.host, self.port, self.secret, key))
             inbox.call = asyncio.ensure_future(call)
             inbox.call.add_done_callback(lambda _: inbox.changed.set())
             while True:
                 item = await inbox.get()
+                if item is None:
+                    return
                 finished = item.finished
                 yield item
                 if finished:
                     return
         finally:
             del self.inboxes[key]
+            if waker is not None:
+                waker.cancel()
             if inbox.call is not None:
                 # Finished: the call returns by itself once its last frame is out (cancelling would
                 # cost a remote call and a logged error per request); left early: cancel it.

@@ -1,4 +1,5 @@
-"""The DAG, in one place: Ingress -> Tokenizer, then Detokenizer <= stream <= Engine.
+"""The DAG, in one place: Ingress -> Tokenizer, then Detokenizer <= stream <= Engine; beside it the
+registry of client-chosen request ids that stop requests go through.
 
 `serve run serve_config.yaml` calls build_app with the `args` of serve_config.yaml.
 """
@@ -13,6 +14,7 @@ from app.engine.model_loader import resolve_model_dir
 from deployments.detokenizer import DetokenizerDeployment
 from deployments.engine import EngineDeployment
 from deployments.ingress import Ingress
+from deployments.request_ids import RequestIdsDeployment
 from deployments.tokenizer import TokenizerDeployment
 
 DEFAULT_CONFIG = "configs/smollm2-135m.yaml"
@@ -34,4 +36,5 @@ def build_app(args: dict) -> Application:
     tokenizer = TokenizerDeployment.options(**stages.tokenizer.deployment_options()).bind(
         config.model, config.tool_call_parser)
     detokenizer = DetokenizerDeployment.options(**stages.detokenizer.deployment_options()).bind(config, engine)
-    return Ingress.options(**stages.ingress.deployment_options()).bind(config, tokenizer, detokenizer, engine)
+    return Ingress.options(**stages.ingress.deployment_options()).bind(config, tokenizer, detokenizer, engine,
+                                                                        RequestIdsDeployment.bind())

@@ -10,8 +10,8 @@ from ray.serve.handle import DeploymentHandle
 from app.channel import Inbound, Outbound, ReplyTo
 from app.config import ServiceConfig
 from app.engine.llm_engine import merge_outputs
-from app.engine.outputs import CompletionOutput
-from app.protocol.messages import TextChunk, TextOutput, TokenizedJob, TokenText, merge_chunks
+from app.engine.outputs import RequestOutput
+from app.protocol.messages import PromptText, TextChunk, TextOutput, TokenizedJob, TokenText, merge_chunks
 from app.text import IncrementalDetokenizer, Tokenizer
 from deployments.workers import model_dir_on_this_node
 
@@ -38,24 +38,36 @@ class DetokenizerDeployment:
             else self.engine.generate
         return lambda reply_to: generate.remote(job.request_id, job.prompt_token_ids, job.params, job.adapter, reply_to)
 
-    def _token_texts(self, c: CompletionOutput, offset: int) -> tuple[list[TokenText], int]:
-        """Each token decoded on its own (Tokenizer.token_piece), with its alternatives if asked;
-        `offset` is where the first starts, and the offset after the last comes back."""
+    def _token_texts(self, token_ids: list[int], top_logprobs: list | None, offset: int) -> tuple[list[TokenText], int]:
+        """Each token decoded on its own (Tokenizer.token_piece), with its alternatives if asked
+        (`top_logprobs`, aligned with the tokens; None where there are none); `offset` is where the
+        first starts, and the offset after the last comes back."""
         tokens = []
-        for i, token_id in enumerate(c.token_ids):
+        for i, token_id in enumerate(token_ids):
             text, raw = self.tokenizer.token_piece(token_id)
-            ids, values = c.top_logprobs[i] if c.top_logprobs is not None else ((), ())
+            ids, values = (top_logprobs and top_logprobs[i]) or ((), ())
             top = [(*self.tokenizer.token_piece(t), value) for t, value in zip(ids, values)]
             tokens.append(TokenText(text, raw, offset, top))
             offset += len(text)
         return tokens, offset
 
+    def _prompt(self, job: TokenizedJob, out: RequestOutput) -> PromptText:
+        """The prompt to echo, and its tokens and logprobs where the engine computed them (they
+        come with its first output)."""
+        if out.prompt_logprobs is None:
+            return PromptText(job.echo)
+        tokens, _ = self._token_texts(job.prompt_token_ids, out.prompt_top_logprobs, 0)
+        return PromptText(job.echo, tokens, out.prompt_logprobs)
+
     async def _text(self, job: TokenizedJob):
         detoks: dict[int, IncrementalDetokenizer] = {}
         offsets: dict[int, int] = {}  # characters of each output's token texts so far
+        echoed = False
         async with aclosing(self.inbound.receive(self._engine_call(job))) as outputs:
             async for out in outputs:
                 chunk = TextChunk([], out.finished, len(job.prompt_token_ids), out.metrics)
+                if job.echo is not None and not echoed:
+                    chunk.prompt, echoed = self._prompt(job, out), True
                 for c in out.outputs:
                     detok = detoks.setdefault(c.index, IncrementalDetokenizer(self.tokenizer, job.stop))
                     if detok.stopped is not None:
@@ -70,7 +82,8 @@ class DetokenizerDeployment:
                             finish, reason = "stop", detok.stopped
                     tokens = None
                     if c.logprobs is not None:
-                        tokens, offsets[c.index] = self._token_texts(c, offsets.get(c.index, 0))
+                        tokens, offsets[c.index] = self._token_texts(c.token_ids, c.top_logprobs,
+                                                                     offsets.get(c.index, 0))
                     chunk.outputs.append(TextOutput(c.index, text, c.token_ids, c.logprobs, c.cumulative_logprob,
                                                     finish, reason, tokens))
                 chunk.finished = chunk.finished or (bool(detoks) and all(d.stopped is not None for d in detoks.values()))

@@ -10,7 +10,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from contextlib import aclosing
+from contextlib import aclosing, asynccontextmanager
 
 import ray
 from fastapi import FastAPI, Request
@@ -24,9 +24,10 @@ from app.adapters import AdapterPolicy
 from app.channel import Inbound
 from app.config import ServiceConfig
 from app.engine.errors import BackendError, EngineDeadError, EngineStepError, InvalidRequestError
+from app.engine.sequence import FinishReason
 from app.protocol import openai, openapi, triton, triton_binary
 from app.protocol.body import parse_body
-from app.protocol.messages import AdapterRef, GenerationJob, TextChunk, check_job, merge_chunks
+from app.protocol.messages import AdapterRef, GenerationJob, TextChunk, TextOutput, check_job, merge_chunks
 from app.security import api_key, refusal
 from deployments.metrics import IngressMetrics
 
@@ -76,6 +77,14 @@ def _status(exc: BaseException) -> tuple[int, str]:
     return 500, f"internal error ({type(exc).__name__}); the server log holds its details under incident {incident}"
 
 
+def _stopped(last: dict[int, TextOutput], num_prompt_tokens: int) -> TextChunk:
+    """The last chunk of a request that a stop request ended: its unfinished outputs end, with no
+    new text, as the engine ends an aborted request."""
+    ended = [TextOutput(i, "", [], None, o.cumulative_logprob, FinishReason.ABORT.value)
+             for i, o in sorted(last.items()) if o.finish_reason is None]
+    return TextChunk(ended or [TextOutput(0, "", [], None, 0.0, FinishReason.ABORT.value)], True, num_prompt_tokens)
+
+
 def _sse(obj) -> bytes:
     return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
 
@@ -115,7 +124,7 @@ api.add_middleware(Guard)
 @serve.ingress(api)
 class Ingress:
     def __init__(self, config: ServiceConfig, tokenizer: DeploymentHandle, detokenizer: DeploymentHandle,
-                 engine: DeploymentHandle):
+                 engine: DeploymentHandle, request_ids: DeploymentHandle):
         self.config = config
         self.name = config.name
         self.tokenizer = tokenizer
@@ -125,6 +134,10 @@ class Ingress:
         self.metrics = IngressMetrics(config.name)
         self.inbound = Inbound(ray.util.get_node_ip_address(), merge_chunks)  # from the Detokenizers
         self.tool_parser: str | None = None  # the Tokenizer's (it reads the chat template), asked once
+        self.request_ids = request_ids  # the app's registry of client-chosen ids (deployments/request_ids.py)
+        self.owner = uuid.uuid4().hex  # this replica, to the registry
+        self.stops: dict[str, asyncio.Event] = {}  # ids this replica streams -> set by a stop request
+        self.polling: asyncio.Task | None = None
         api.state.api_key = api_key(config.api_key)
         api.state.max_request_bytes = config.max_request_bytes
 
@@ -142,27 +155,68 @@ class Ingress:
         return parse_body(await self._body(request))
 
     # -- the DAG -----------------------------------------------------------------------------------
-    async def _chunks(self, job: GenerationJob) -> AsyncIterator[tuple[TextChunk, list[int]]]:
+    async def _chunks(self, job: GenerationJob,
+                      client_id: str | None = None) -> AsyncIterator[tuple[TextChunk, list[int]]]:
+        """The request's chunks; a stop request naming `client_id`, the id the client chose, may end them."""
         check_job(job, self.config.max_stop_words, self.config.max_stop_word_len)
         if job.adapter is not None:
             job.adapter = self.adapters.resolve(job.adapter)  # refuses paths outside the roots, unopened
         started, first, finished, num_output = time.monotonic(), None, False, 0
-        tokenized = await self.tokenizer.tokenize.remote(job)
-        try:
-            async with aclosing(self.inbound.receive(
-                    lambda reply_to: self.detokenizer.generate.remote(tokenized, reply_to))) as chunks:
-                async for chunk in chunks:
-                    first = first or time.monotonic()
-                    num_output += sum(len(o.token_ids) for o in chunk.outputs)
-                    finished = chunk.finished
-                    yield chunk, tokenized.prompt_token_ids
-        finally:
-            if finished:
-                self.metrics.succeeded(job.api, started, first, len(tokenized.prompt_token_ids), num_output)
+        last: dict[int, TextOutput] = {}
+        async with self._claimed(client_id) as stop:
+            tokenized = await self.tokenizer.tokenize.remote(job)
+            try:
+                async with aclosing(self.inbound.receive(
+                        lambda reply_to: self.detokenizer.generate.remote(tokenized, reply_to), stop)) as chunks:
+                    async for chunk in chunks:
+                        first = first or time.monotonic()
+                        num_output += sum(len(o.token_ids) for o in chunk.outputs)
+                        last.update((o.index, o) for o in chunk.outputs)
+                        finished = chunk.finished
+                        yield chunk, tokenized.prompt_token_ids
+                if not finished:  # stopped by id; leaving cancelled the call upstream, which frees the KV
+                    finished = True
+                    yield _stopped(last, len(tokenized.prompt_token_ids)), tokenized.prompt_token_ids
+            finally:
+                if finished:
+                    self.metrics.succeeded(job.api, started, first, len(tokenized.prompt_token_ids), num_output)
 
-    async def _whole(self, job: GenerationJob) -> tuple[TextChunk, list[int]]:
+    @asynccontextmanager
+    async def _claimed(self, request_id: str | None):
+        """While a request whose id the client chose is in flight, the id is claimed app-wide (409
+        for a second request under it) and a stop request for it, on any Ingress replica, sets the
+        event yielded. Ids we make up are never claimed: no client can name them."""
+        if request_id is None:
+            yield None
+            return
+        await self.request_ids.claim.remote(request_id, self.owner)
+        stop = self.stops[request_id] = asyncio.Event()
+        if self.polling is None or self.polling.done():
+            self.polling = asyncio.create_task(self._poll_stops())
+        try:
+            yield stop
+        finally:
+            del self.stops[request_id]
+            self.request_ids.release.remote(request_id, self.owner)  # nothing to wait for
+
+    async def _poll_stops(self) -> None:
+        """One long poll at a time, while this replica streams named requests: the registry answers
+        with the ids stopped (by a stop request on any replica), or with none every POLL_S, which
+        also tells it this replica is alive."""
+        while self.stops:
+            try:
+                stopped = await self.request_ids.take.remote(self.owner)
+            except Exception:  # noqa: BLE001 - the registry is being replaced: its stops resume after
+                logger.warning("the request id registry did not answer; polling again", exc_info=True)
+                await asyncio.sleep(1.0)
+                continue
+            for request_id in stopped:
+                if request_id in self.stops:
+                    self.stops[request_id].set()
+
+    async def _whole(self, job: GenerationJob, client_id: str | None = None) -> tuple[TextChunk, list[int]]:
         merged, ids = None, []
-        async for chunk, ids in self._chunks(job):
+        async for chunk, ids in self._chunks(job, client_id):
             merged = chunk if merged is None else merge_chunks(merged, chunk)
         return merged, ids
 
@@ -173,9 +227,10 @@ class Ingress:
         body = openai.error_body(request_error(exc) or message, status) if openai_style else {"error": message}
         return JSONResponse(body, status_code=status, headers=headers)
 
-    async def _stream(self, job: GenerationJob, render, openai_style: bool, done_marker: bool = False):
+    async def _stream(self, job: GenerationJob, render, openai_style: bool, done_marker: bool = False,
+                      client_id: str | None = None):
         """First chunk awaited before answering, so early errors are proper 4xx responses."""
-        chunks = self._chunks(job)
+        chunks = self._chunks(job, client_id)
         try:
             first = await anext(chunks)
         except Exception as exc:  # noqa: BLE001
@@ -246,16 +301,32 @@ class Ingress:
         return await self.ready()
 
     async def _parse_triton(self, model: str, request: Request):
+        """(job, request) of a generate body, or None for a stop request, which is carried out here."""
         body = await self._json(request)
+        if await self._stop(model, body):
+            return None
         return triton.parse_generate(model, body, self.name, self.config.max_tokens_default)
+
+    async def _stop(self, model: str, fields) -> bool:
+        """Carry out a stop request (`stop: true`, Triton's cancellation by request id): the replica
+        streaming that id ends it, wherever it runs; 404 naming request_id when none is in flight.
+        False when `fields` are not a stop request."""
+        request_id = triton.parse_stop(model, fields, self.name)
+        if request_id is None:
+            return False
+        await self.request_ids.stop.remote(request_id)
+        return True
 
     @api.post("/v2/models/{model}/generate", openapi_extra=openapi.body(triton.TritonGenerateRequest))
     @api.post("/v2/models/{model}/versions/{version}/generate",
               openapi_extra=openapi.body(triton.TritonGenerateRequest))
     async def generate(self, model: str, request: Request, version: str = triton.MODEL_VERSION):
         try:
-            job, req = await self._parse_triton(model, request)
-            chunk, ids = await self._whole(job)
+            parsed = await self._parse_triton(model, request)
+            if parsed is None:
+                return triton.stop_response(model)
+            job, req = parsed
+            chunk, ids = await self._whole(job, req.request_id or None)
         except Exception as exc:  # noqa: BLE001
             return self._error(exc, openai_style=False)
         prompt_text = job.prompt or ""
@@ -266,12 +337,15 @@ class Ingress:
               openapi_extra=openapi.body(triton.TritonGenerateRequest))
     async def generate_stream(self, model: str, request: Request, version: str = triton.MODEL_VERSION):
         try:
-            job, req = await self._parse_triton(model, request)
+            parsed = await self._parse_triton(model, request)
         except Exception as exc:  # noqa: BLE001
             return self._error(exc, openai_style=False)
+        if parsed is None:
+            return StreamingResponse(iter([_sse(triton.stop_response(model))]), media_type="text/event-stream")
+        job, req = parsed
         return await self._stream(
             job, lambda chunk, ids: triton.generate_response(model, req, chunk, "", ids, final=chunk.finished),
-            openai_style=False)
+            openai_style=False, client_id=req.request_id or None)
 
     @api.post("/v2/models/{model}/infer", openapi_extra=openapi.body(triton.InferRequest))
     @api.post("/v2/models/{model}/versions/{version}/infer", openapi_extra=openapi.body(triton.InferRequest))
@@ -282,11 +356,16 @@ class Ingress:
             body, binary = triton_binary.decode_request(await self._body(request),
                                                         request.headers.get(triton_binary.HEADER))
             fields, request_id, wanted = triton.infer_to_generate_body(body)
-            job, req = triton.parse_generate(model, fields, self.name, self.config.max_tokens_default)
-            chunk, ids = await self._whole(job)
+            if request_id:  # KServe's id is Triton's request id: a stop request names it
+                fields.setdefault("request_id", request_id)
+            if await self._stop(model, fields):
+                generated = triton.stop_response(model)
+            else:
+                job, req = triton.parse_generate(model, fields, self.name, self.config.max_tokens_default)
+                chunk, ids = await self._whole(job, req.request_id or None)
+                generated = triton.generate_response(model, req, chunk, job.prompt or "", ids, final=True)
         except Exception as exc:  # noqa: BLE001
             return self._error(exc, openai_style=False)
-        generated = triton.generate_response(model, req, chunk, job.prompt or "", ids, final=True)
         response = triton.infer_response(model, request_id, generated, wanted)
         encoded = triton_binary.encode_response(response, binary)
         if encoded is None:
@@ -303,7 +382,8 @@ class Ingress:
     async def _openai(self, request: Request, chat: bool):
         try:
             body = await self._json(request)
-            job, req = (openai.parse_chat if chat else openai.parse_completion)(body, self.config.max_tokens_default)
+            job, req = openai.parse_chat(body, self.config.max_tokens_default) if chat else \
+                openai.parse_completion(body, self.config.max_tokens_default, self.config.max_return_sequences)
             if req.model in self.config.lora_adapters:
                 job.adapter = AdapterRef(req.model, None, "model")
             elif req.model != self.name:
@@ -314,17 +394,17 @@ class Ingress:
             calls = openai.tool_calls(req, self.tool_parser) if chat else None
         except Exception as exc:  # noqa: BLE001
             return self._error(exc, openai_style=True)
-        echo = job.prompt if (not chat and req.echo and job.prompt) else ""
+        choices = None if chat else openai.CompletionChoices(req)
         if req.stream:
             return await self._stream(
                 job, lambda chunk, ids: openai.completion_response(job.request_id, self.name, chunk, chat, True,
-                                                                   calls=calls),
+                                                                   calls, choices),
                 openai_style=True, done_marker=True)
         try:
             chunk, _ = await self._whole(job)
         except Exception as exc:  # noqa: BLE001
             return self._error(exc, openai_style=True)
-        return openai.completion_response(job.request_id, self.name, chunk, chat, False, echo, calls)
+        return openai.completion_response(job.request_id, self.name, chunk, chat, False, calls, choices)
 
     @api.post("/v1/completions", openapi_extra=openapi.body(openai.CompletionRequest))
     async def completions(self, request: Request):

@@ -41,4 +41,7 @@ class TokenizerDeployment:
         params = replace(job.params,
                          stop_token_ids=job.params.stop_token_ids + self.tokenizer.encode_words(job.stop),
                          bad_token_ids=job.params.bad_token_ids + self.tokenizer.encode_words(job.bad_words))
-        return TokenizedJob(job.request_id, ids, params, job.stop, job.adapter)
+        echo = None
+        if job.echo:  # the text as sent; token ids as they decode
+            echo = job.prompt if job.prompt is not None else self.tokenizer.decode(ids)
+        return TokenizedJob(job.request_id, ids, params, job.stop, job.adapter, echo)

@@ -86,6 +86,9 @@ def refuse_torch_only(params: SamplingParams, backend: str) -> None:
     for name in ("top_logprobs", "logit_bias"):
         if getattr(params, name):
             raise InvalidRequestError(name, f"is not supported by the {backend} backend yet")
+    if params.prompt_logprobs is not None:  # 0 asks too: for the prompt tokens' own logprobs
+        raise InvalidRequestError("prompt_logprobs", f"(echo with logprobs on /v1/completions) is not supported by "
+                                                     f"the {backend} backend yet")
 
 
 CONTAINER = "nvcr.io/nvidia/tritonserver:<xx.yy>-trtllm-python-py3"

@@ -1,4 +1,5 @@
-"""Guided decoding: output held to a JSON schema, any JSON, a regex or an EBNF grammar (xgrammar).
+"""Guided decoding: output held to a JSON schema, any JSON, a regex, an EBNF grammar or structural
+tags (free text, with JSON of a schema between each begin/end pair) (xgrammar).
 
 A request's `Guide` is parsed when it arrives (a guide that does not parse is a 400 at once), then
 compiled against the vocabulary on a thread of its own, once per distinct guide (xgrammar's
@@ -13,6 +14,7 @@ samples: it steps without overlap, as penalties do.
 """
 from __future__ import annotations
 
+import json
 import re
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -24,7 +26,7 @@ import torch
 
 from app.engine.errors import InvalidRequestError
 
-KINDS = ("json", "json_schema", "regex", "ebnf")
+KINDS = ("json", "json_schema", "regex", "ebnf", "structural_tag")
 CACHE_BYTES = 256 << 20  # compiled grammars kept (xgrammar evicts the least recently used)
 COMPILE_TIMEOUT_S = 10.0  # from arrival, queueing behind other compiles included
 MAX_QUEUED_COMPILES = 64  # past this, a guide that needs compiling is refused (503) at once
@@ -33,8 +35,10 @@ MAX_QUEUED_COMPILES = 64  # past this, a guide that needs compiling is refused (
 @dataclass(frozen=True)
 class Guide:
     """What the output must match. `kind`: json (a JSON object, as OpenAI's json_object),
-    json_schema, regex or ebnf; `spec`: the schema (JSON text), the regex or the grammar ("" for
-    json). `field` is the request field it came from, named in errors."""
+    json_schema, regex, ebnf or structural_tag; `spec`: the schema (JSON text), the regex, the
+    grammar, or the structural tag as JSON text (TensorRT-LLM's form: {"structures": [{"begin",
+    "schema", "end"}], "triggers": [...]}); "" for json. `field` is the request field it came
+    from, named in errors."""
     kind: str
     spec: str = ""
     field: str = "guided_decoding"
@@ -71,7 +75,10 @@ class GrammarCompiler:
 
         if guide.kind not in KINDS:
             raise InvalidRequestError(guide.field, f"guide type {guide.kind!r} is not supported ({', '.join(KINDS)})")
+        tag = _structural_tag(guide) if guide.kind == "structural_tag" else None
         with _compile_errors(guide):
+            if tag is not None:
+                return xgrammar.Grammar.from_structural_tag(tag)
             if guide.kind == "json":
                 return xgrammar.Grammar.from_json_schema('{"type": "object"}', any_whitespace=False)
             if guide.kind == "json_schema":
@@ -119,6 +126,34 @@ def _compile_errors(guide: Guide):
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         reason = re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", reason)[:300]  # xgrammar's time and source line
         raise InvalidRequestError(guide.field, f"does not compile as {guide.kind}: {reason}") from None
+
+
+def _structural_tag(guide: Guide):
+    """The guide's structural tag as xgrammar's; InvalidRequestError naming the part at fault when
+    its JSON does not have TensorRT-LLM's shape (xgrammar itself checks triggers against begins)."""
+    import xgrammar
+
+    def need(ok: bool, where: str, what: str):
+        if not ok:
+            raise InvalidRequestError(guide.field, f"structural tag: {where} must be {what}")
+    try:
+        spec = json.loads(guide.spec)
+    except ValueError as exc:
+        raise InvalidRequestError(guide.field, f"structural tag: not JSON ({exc})") from None
+    # "type" as TensorRT-LLM's OpenAI server leaves it in the guide it passes on
+    need(isinstance(spec, dict) and set(spec) <= {"type", "structures", "triggers"}
+         and spec.get("type", "structural_tag") == "structural_tag",
+         "the guide", 'an object {"structures": [...], "triggers": [...]} (and "type": "structural_tag")')
+    structures, triggers = spec.get("structures"), spec.get("triggers")
+    need(isinstance(structures, list) and len(structures) > 0, "structures", "a non-empty list")
+    need(isinstance(triggers, list) and all(isinstance(t, str) for t in triggers), "triggers", "a list of strings")
+    for i, s in enumerate(structures):
+        need(isinstance(s, dict) and set(s) == {"begin", "schema", "end"}, f"structures[{i}]",
+             'an object with "begin", "schema" and "end"')
+        need(isinstance(s["begin"], str) and isinstance(s["end"], str), f"structures[{i}].begin and end", "strings")
+        need(isinstance(s["schema"], dict), f"structures[{i}].schema", "a JSON schema object")
+    items = [xgrammar.StructuralTagItem(begin=s["begin"], schema=s["schema"], end=s["end"]) for s in structures]
+    return xgrammar.StructuralTag.from_legacy_structural_tag(items, triggers)
 
 
 class GrammarMatcher:

@@ -36,6 +36,7 @@ class Request:
     beam: BeamGroup | None = None
     arrival_ns: int = 0
     aborted: bool = False
+    prompt_sent: bool = False  # its prompt logprobs went out (with its first output)
 
     @property
     def finished(self) -> bool:
@@ -46,9 +47,11 @@ class Request:
     @property
     def overlappable(self) -> bool:
         """Whether its steps can be queued before the last one is read back: sampling that looks
-        at earlier token values (penalties, bad words) or beams need every token on the host."""
+        at earlier token values (penalties, bad words) or beams need every token on the host;
+        prompt logprobs are read back with the step that computes them."""
         p = self.params
-        return self.beam is None and not p.needs_penalties and not p.bad_token_ids and p.guide is None
+        return (self.beam is None and not p.needs_penalties and not p.bad_token_ids and p.guide is None
+                and not self.seqs[0].needs_prompt_logprobs)
 
 
 class LLMEngine:
@@ -229,6 +232,8 @@ class LLMEngine:
                 return []
             self._begin(plan)
             result = self.runner.execute(plan)
+            for seq, logprob, top in result.prompt_logprobs:
+                seq.add_prompt_logprob(logprob, top)
             return self._outputs(self.scheduler.update(plan, result.seqs, result.sampled))
         launched = None
         if not plan.is_empty:
@@ -274,6 +279,8 @@ class LLMEngine:
     def _output(self, request: Request) -> RequestOutput | None:
         if request.beam is not None:
             return self._beam_output(request)
+        if request.seqs[0].needs_prompt_logprobs and not request.finished:
+            return None  # the prompt logprobs come with the first output: the other outputs wait for them
         completions = []
         for seq in request.seqs:
             upto = seq.num_emittable()
@@ -291,7 +298,19 @@ class LLMEngine:
         if not completions:
             return None
         finished = request.finished
-        return RequestOutput(request.request_id, completions, finished, self._metrics(request) if finished else None)
+        return self._with_prompt(request, RequestOutput(request.request_id, completions, finished,
+                                                        self._metrics(request) if finished else None))
+
+    def _with_prompt(self, request: Request, output: RequestOutput) -> RequestOutput:
+        """The request's first output after its prompt logprobs are all taken carries them."""
+        first = request.seqs[0]
+        if request.params.prompt_logprobs is None or request.prompt_sent or first.needs_prompt_logprobs:
+            return output
+        request.prompt_sent = True
+        output.prompt_logprobs = [None, *first.prompt_logprobs]
+        if request.params.prompt_logprobs:
+            output.prompt_top_logprobs = [None, *first.prompt_top_logprobs]
+        return output
 
     def _beam_output(self, request: Request) -> RequestOutput | None:
         """Beams change until the search ends, so they are sent once, whole, best first: the n best."""
@@ -304,7 +323,7 @@ class LLMEngine:
             for i, h in enumerate(group.finished[:request.params.n])]
         if request.aborted:
             completions = [CompletionOutput(0, [], None, 0.0, FinishReason.ABORT.value)]
-        return RequestOutput(request.request_id, completions, True, self._metrics(request))
+        return self._with_prompt(request, RequestOutput(request.request_id, completions, True, self._metrics(request)))
 
     def _metrics(self, request: Request) -> RequestMetrics:
         seqs = request.seqs
@@ -373,4 +392,6 @@ def merge_outputs(acc: RequestOutput | None, delta: RequestOutput) -> RequestOut
     acc.outputs = [by_index[i] for i in sorted(by_index)]
     acc.finished = delta.finished
     acc.metrics = delta.metrics or acc.metrics
+    acc.prompt_logprobs = acc.prompt_logprobs or delta.prompt_logprobs
+    acc.prompt_top_logprobs = acc.prompt_top_logprobs or delta.prompt_top_logprobs
     return acc

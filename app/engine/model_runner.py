@@ -2,7 +2,7 @@
 and samples the next tokens from the logits."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -12,16 +12,33 @@ from app.engine.executor import ProcessLauncher, WorkerLauncher, cpu_threads_per
 from app.engine.lora_loader import LoRAAdapter
 from app.engine.model_loader import read_model_config
 from app.engine.parallel import Distributed, ParallelLayout
-from app.engine.sampler import DeviceSample, Sampler, SamplerOutput
+from app.engine.sampler import DeviceSample, Sampler, SamplerOutput, prompt_logprobs
 from app.engine.scheduler import ScheduledSeq, SchedulerOutput
 from app.engine.sequence import Sequence
 from app.engine.worker import ModelShard, RankCommand, StepInputs
 
 
 @dataclass
+class PromptRows:
+    """Logits rows of prompt positions whose logprobs a request asks for (prompt_logprobs): each
+    row's sequence and the prompt token after it, which the row scores, in prompt order."""
+    seqs: list[Sequence] = field(default_factory=list)
+    targets: list[int] = field(default_factory=list)
+    at: list[int] = field(default_factory=list)  # where each row is among its batch's logits
+
+    def extend(self, other: PromptRows, offset: int) -> None:
+        self.seqs += other.seqs
+        self.targets += other.targets
+        self.at += [offset + i for i in other.at]
+
+
+@dataclass
 class StepResult:
     seqs: list[Sequence]  # the sequences that sampled, aligned with the sampler's rows
     sampled: SamplerOutput
+    # prompt rows' (sequence, logprob of the next prompt token, likeliest (ids, logprobs) or None)
+    prompt_logprobs: list[tuple[Sequence, float, tuple[list[int], list[float]] | None]] = \
+        field(default_factory=list)
 
 
 @dataclass
@@ -85,9 +102,16 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> StepResult:
-        """Run the step and read its tokens back."""
-        logits, seqs = self._run(plan, None)
-        return StepResult(seqs, self.sampler(logits, seqs))
+        """Run the step and read its tokens back, and the prompt logprobs its prefill rows owe."""
+        logits, seqs, prompt = self._run(plan, None)
+        if not prompt.seqs:
+            return StepResult(seqs, self.sampler(logits, seqs))
+        at = torch.tensor(prompt.at).to(logits.device, non_blocking=True)
+        sampling = torch.ones(len(logits), dtype=torch.bool).to(logits.device, non_blocking=True)
+        sampling[at] = False
+        scored = prompt_logprobs(logits[at], prompt.targets, [s.params.prompt_logprobs for s in prompt.seqs])
+        return StepResult(seqs, self.sampler(logits[sampling], seqs),
+                          [(seq, value, top) for seq, (value, top) in zip(prompt.seqs, scored)])
 
     @torch.inference_mode()
     def launch(self, plan: SchedulerOutput, previous: LaunchedStep | None) -> LaunchedStep:
@@ -95,17 +119,22 @@ class ModelRunner:
         of `previous` still on the device (Sequence.pending_row) are read there. One rank only."""
         # A guess follows the sequence's last token on the host: a step with guesses never overlaps.
         assert not any(item.draft for item in plan.scheduled), "a step with guesses was launched overlapped"
-        logits, seqs = self._run(plan, previous.sample.token_ids if previous is not None else None)
+        logits, seqs, prompt = self._run(plan, previous.sample.token_ids if previous is not None else None)
+        assert not prompt.seqs, "a step computing prompt logprobs is never overlapped"
         return LaunchedStep(plan, seqs, self.sampler.sample(logits, seqs))
 
     def _run(self, plan: SchedulerOutput, previous_tokens: torch.Tensor | None):
         groups = self._micro_batches(plan.scheduled)
         prepared = [self._prepare(group) for group in groups]
-        batches = [inputs for inputs, _ in prepared]
+        batches = [inputs for inputs, _, _ in prepared]
         if self.dist is not None:
             self.dist.broadcast((RankCommand.STEP, plan.block_copies, batches))
         logits = self.shard.execute(plan.block_copies, batches, previous_tokens)
-        return logits, [seq for _, group_seqs in prepared for seq in group_seqs]
+        prompt, offset = PromptRows(), 0
+        for inputs, _, rows in prepared:  # the logits of each batch follow the batch before's
+            prompt.extend(rows, offset)
+            offset += len(inputs.logits_indices)
+        return logits, [seq for _, group_seqs, _ in prepared for seq in group_seqs], prompt
 
     def add_lora(self, name: str, path, in_use: set[str], prepared: LoRAAdapter | None = None) -> None:
         """`prepared`: rank 0's LoRACache.prepare of it, done already (off the engine loop). The other
@@ -129,17 +158,20 @@ class ModelRunner:
         size = -(-len(scheduled) // count)
         return [scheduled[i:i + size] for i in range(0, len(scheduled), size)]
 
-    def _prepare(self, scheduled: list[ScheduledSeq]) -> tuple[StepInputs, list[Sequence]]:
+    def _prepare(self, scheduled: list[ScheduledSeq]) -> tuple[StepInputs, list[Sequence], PromptRows]:
         """Pack the tokens: decodes first (batched attention), then prefill chunks. A decode that
         carries guesses is a decode row per token, each seeing the context up to itself: the rows
-        of one sequence write their KV before any row attends, so each sees those before it."""
+        of one sequence write their KV before any row attends, so each sees those before it.
+        Logits rows stay in row order (a decode-only batch's graph returns every row, in order):
+        a chunk's prompt rows come before its sampling row, the prompt's last, whose logits are
+        the first output token's."""
         bs = self.block_size
         decodes = [s for s in scheduled if s.is_decode]
         prefills = [s for s in scheduled if not s.is_decode]
         tokens, positions, slots, sample_seqs, logits_indices = [], [], [], [], []
         pending = []  # (input row, row of the previous step's tokens) for tokens still on the device
         lora_rows: dict[str, list[int]] = {}
-        chunks = []
+        chunks, prompt = [], PromptRows()
         for item in decodes + prefills:
             seq, start = item.seq, item.start
             end = start + item.num_tokens
@@ -148,6 +180,12 @@ class ModelRunner:
                 lora_rows.setdefault(seq.adapter_id, []).extend(rows)
             if not item.is_decode:
                 chunks.append((len(tokens), item.num_tokens, end, seq.block_table[:-(-end // bs)]))
+            if seq.needs_prompt_logprobs:  # rows not scored yet (a recompute after preemption skips those that were)
+                for p in range(max(start, len(seq.prompt_logprobs)), min(end, seq.num_prompt_tokens - 1)):
+                    prompt.seqs.append(seq)
+                    prompt.targets.append(seq.token_ids[p + 1])
+                    prompt.at.append(len(logits_indices))
+                    logits_indices.append(rows[p - start])
             if item.draft:  # every row's token is checked
                 sample_seqs.extend([seq] * len(rows))
                 logits_indices.extend(rows)
@@ -170,4 +208,4 @@ class ModelRunner:
         inputs = StepInputs(torch.tensor(tokens), torch.tensor(positions), torch.tensor(slots), num_decode_rows,
                             decode_tables, decode_lens, chunks, torch.tensor(logits_indices, dtype=torch.long),
                             lora_rows, torch.tensor(pending, dtype=torch.long).T if pending else None)
-        return inputs, sample_seqs
+        return inputs, sample_seqs, prompt

@@ -54,6 +54,11 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics | None = None  # set on the final output
+    # Requests with prompt_logprobs, on their first output: per prompt token its logprob given those
+    # before it (None for the first, which has no context), and with prompt_logprobs > 0 the
+    # (ids, logprobs) of the likeliest tokens at its position (None for the first).
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[tuple[list[int], list[float]] | None] | None = None
     # Set when the request failed inside the engine: an InvalidRequestError where it was the request's
     # fault (a guide that did not compile), else a sentence.
     error: str | Exception | None = None

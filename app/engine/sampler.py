@@ -151,6 +151,20 @@ class Sampler:
         return choice if index is None else index.gather(1, choice[:, None]).squeeze(1)
 
 
+def prompt_logprobs(logits: torch.Tensor, targets: list[int], counts: list[int]
+                    ) -> list[tuple[float, tuple[list[int], list[float]] | None]]:
+    """Per row of prompt logits: the raw logprob of the prompt token that follows it (`targets`),
+    and where its count is above 0 that many likeliest (ids, logprobs), best first. Reads back at
+    once: steps that compute prompt rows are never overlapped (LLMEngine's Request.overlappable)."""
+    logprobs = torch.log_softmax(logits, dim=-1)
+    chosen = logprobs.gather(1, _on(logits.device, targets)[:, None]).squeeze(1).tolist()
+    if not max(counts):
+        return [(value, None) for value in chosen]
+    values, ids = (t.tolist() for t in logprobs.topk(max(counts), dim=-1))
+    return [(value, (row_ids[:k], row_values[:k]) if k else None)
+            for value, row_ids, row_values, k in zip(chosen, ids, values, counts)]
+
+
 def _apply_penalties(row: torch.Tensor, seq: Sequence) -> None:
     p = seq.params
     if p.repetition_penalty != 1.0:  # transformers' RepetitionPenaltyLogitsProcessor

@@ -45,6 +45,10 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: bool = False
     top_logprobs: int = 0  # with each output token, this many most likely tokens and their logprobs
+    # The prompt's logprobs (each token's given those before it; the first has none), with this many
+    # most likely tokens at each position; None: not computed. Its whole prompt is computed then,
+    # cached prefix blocks included: a cached block holds KV, not the logits the logprobs come from.
+    prompt_logprobs: int | None = None
     logit_bias: dict[int, float] = field(default_factory=dict)
     n: int = 1  # independent samples (num_return_sequences)
     beam_width: int = 1
@@ -160,6 +164,8 @@ def validate_request(prompt_token_ids: list[int], p: SamplingParams, limits: Req
     _check(p.top_logprobs >= 0, "top_logprobs", "must be >= 0")
     _check(p.top_logprobs <= limits.max_logprobs, "top_logprobs",
            f"{p.top_logprobs} exceeds this server's max_logprobs of {limits.max_logprobs}")
+    _check(p.prompt_logprobs is None or 0 <= p.prompt_logprobs <= limits.max_logprobs, "prompt_logprobs",
+           f"must be in [0, {limits.max_logprobs}] (this server's max_logprobs)")
     _check(len(p.logit_bias) <= MAX_LOGIT_BIAS, "logit_bias",
            f"{len(p.logit_bias)} entries exceed the limit of {MAX_LOGIT_BIAS}")
     for token, bias in p.logit_bias.items():

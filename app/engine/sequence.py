@@ -53,6 +53,9 @@ class Sequence:
         # Aligned with output_logprobs: (ids, logprobs) of the likeliest tokens, or None where not asked
         self.output_top_logprobs: list[tuple[list[int], list[float]] | None] = []
         self.cumulative_logprob = 0.0
+        # prompt_logprobs requests, first output only: entry i scores prompt token i + 1 (row i's logits)
+        self.prompt_logprobs: list[float] = []
+        self.prompt_top_logprobs: list[tuple[list[int], list[float]] | None] = []
         self.num_emitted = 0  # output tokens already handed to the caller
         self.finish_reason: FinishReason | None = None
         self.stop_reason: int | list[int] | None = None
@@ -93,6 +96,13 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Whether prompt rows still owe their logprobs: the request asks, this is its first output
+        (the others share the prompt), and some are not taken yet (a preempted one keeps those taken)."""
+        return (self.params.prompt_logprobs is not None and self.index == 0
+                and len(self.prompt_logprobs) < self.num_prompt_tokens - 1)
+
     # -- generation --------------------------------------------------------------------------------
     def append_token(self, token_id: int, logprob: float,
                      top_logprobs: tuple[list[int], list[float]] | None = None) -> None:
@@ -105,6 +115,11 @@ class Sequence:
         now = time.time_ns()
         self.first_token_ns = self.first_token_ns or now
         self.last_token_ns = now
+
+    def add_prompt_logprob(self, logprob: float, top: tuple[list[int], list[float]] | None) -> None:
+        """The next prompt token's logprob (and the likeliest at its position, where asked)."""
+        self.prompt_logprobs.append(logprob)
+        self.prompt_top_logprobs.append(top)
 
     def append_pending(self, row: int) -> None:
         """The token sampled in row `row` of the step in flight: counted now, read back later."""
@@ -175,6 +190,7 @@ class Sequence:
         child.output_logprobs = list(self.output_logprobs)
         child.output_top_logprobs = list(self.output_top_logprobs)
         child.cumulative_logprob = self.cumulative_logprob
+        child.prompt_logprobs, child.prompt_top_logprobs = self.prompt_logprobs, self.prompt_top_logprobs
         child.num_computed_tokens = self.num_computed_tokens
         child.block_hashes = list(self.block_hashes)
         child.status = self.status

@@ -32,6 +32,7 @@ class GenerationJob:
     bad_words: list[str] = field(default_factory=list)
     adapter: AdapterRef | None = None
     api: str = "triton"  # the front end that took it: "triton" or "openai" (a metrics label)
+    echo: bool = False  # /v1/completions: the answer shows the prompt before the completion
 
 
 # Adapter names route requests (Serve's multiplexed model id travels in ASCII metadata) and key
@@ -65,6 +66,7 @@ class TokenizedJob:
     params: SamplingParams  # stop/bad words now as token-id sequences too
     stop: list[str]
     adapter: AdapterRef | None = None
+    echo: str | None = None  # the prompt's text, for jobs whose answer shows it (the detokenizer sends it on)
 
 
 @dataclass
@@ -92,13 +94,25 @@ class TextOutput:
 
 
 @dataclass
+class PromptText:
+    """The prompt as an echo shows it: its text, and where prompt logprobs were asked each token
+    (offsets from the prompt's start) with its logprob, None for the first (nothing comes before it)."""
+
+    text: str
+    tokens: list[TokenText] | None = None
+    logprobs: list[float | None] | None = None
+
+
+@dataclass
 class TextChunk:
-    """The detokenizer's stream item: new text of each output, and at the end the metrics."""
+    """The detokenizer's stream item: new text of each output, and at the end the metrics. The
+    first chunk of a job that echoes carries the prompt."""
 
     outputs: list[TextOutput]
     finished: bool
     num_prompt_tokens: int
     metrics: RequestMetrics | None = None
+    prompt: PromptText | None = None
 
 
 def merge_chunks(a: TextChunk, b: TextChunk) -> TextChunk:
@@ -116,4 +130,5 @@ def merge_chunks(a: TextChunk, b: TextChunk) -> TextChunk:
             prev.tokens = (prev.tokens or []) + o.tokens
         prev.cumulative_logprob = o.cumulative_logprob
         prev.finish_reason, prev.stop_reason = o.finish_reason, o.stop_reason
-    return TextChunk([by_index[i] for i in sorted(by_index)], b.finished, b.num_prompt_tokens, b.metrics or a.metrics)
+    return TextChunk([by_index[i] for i in sorted(by_index)], b.finished, b.num_prompt_tokens, b.metrics or a.metrics,
+                     a.prompt or b.prompt)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from dataclasses import replace
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -13,13 +14,13 @@ from app.engine.guided import Guide
 from app.engine.sampling_params import SamplingParams
 from app.protocol import tools
 from app.protocol.body import parse_body
-from app.protocol.messages import GenerationJob, TextChunk, TextOutput
+from app.protocol.messages import GenerationJob, PromptText, TextChunk, TextOutput
 
 
 # OpenAI fields a route does not implement (tools on /v1/completions), with the one value of each
 # that asks for nothing (clients often send it): accepted. Any other value, and any field not named
 # anywhere, is refused by name: a client asking for JSON must not get a 200 with free text.
-NEUTRAL = {"tools": [], "tool_choice": "none", "best_of": 1, "suffix": ""}
+NEUTRAL = {"tools": [], "tool_choice": "none", "best_of": 1, "suffix": "", "echo": False}
 
 
 class StreamOptions(BaseModel):
@@ -37,8 +38,11 @@ class JsonSchemaFormat(BaseModel):
 
 class ResponseFormat(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    type: Literal["text", "json_object", "json_schema"]
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
     json_schema: JsonSchemaFormat | None = None
+    # vLLM's structural tag: [{"begin", "schema", "end"}] and triggers; the guide checks their shape
+    structures: list | None = None
+    triggers: list | None = None
 
 
 class _Request(BaseModel):
@@ -73,8 +77,14 @@ class _Request(BaseModel):
 
 class CompletionRequest(_Request):
     prompt: str | list[int] | list[str]
+    max_tokens: int | None = Field(None, ge=0)  # 0 with echo: the prompt alone (vLLM's extension)
     logprobs: int | None = Field(None, ge=0, le=5)  # the likeliest tokens per position, beside the chosen one
-    echo: bool = False
+    echo: bool = False  # the prompt before the completion, and with logprobs its tokens' logprobs too
+    best_of: int | None = Field(None, ge=1)  # generated server-side; the n likeliest are returned
+
+    @property
+    def prompt_only(self) -> bool:
+        return self.max_tokens == 0
 
 
 class TextPart(BaseModel):
@@ -204,7 +214,8 @@ def _validate(cls, body: Any):
 
 
 def _guide(req: _Request) -> Guide | None:
-    """At most one guide: response_format (json_object, json_schema) or one of vLLM's guided_*."""
+    """At most one guide: response_format (json_object, json_schema, structural_tag) or one of
+    vLLM's guided_*."""
     guides = []
     fmt = req.response_format
     if fmt is not None and fmt.type == "json_object":
@@ -213,6 +224,10 @@ def _guide(req: _Request) -> Guide | None:
         if fmt.json_schema is None:
             raise InvalidRequestError("response_format.json_schema", "is required for type json_schema")
         guides.append(Guide("json_schema", json.dumps(fmt.json_schema.json_schema), "response_format.json_schema"))
+    elif fmt is not None and fmt.type == "structural_tag":
+        spec = {"structures": fmt.structures, "triggers": fmt.triggers}
+        guides.append(Guide("structural_tag", json.dumps({k: v for k, v in spec.items() if v is not None}),
+                            "response_format"))
     if req.guided_json is not None:
         spec = req.guided_json if isinstance(req.guided_json, str) else json.dumps(req.guided_json)
         guides.append(Guide("json_schema", spec, "guided_json"))
@@ -245,14 +260,32 @@ def _job(req: _Request, max_tokens_default: int | None, logprobs: bool, top_logp
     return GenerationJob(request_id=f"cmpl-{uuid.uuid4().hex}", params=params, stop=stop, api="openai", **prompt)
 
 
-def parse_completion(body: Any, max_tokens_default: int | None) -> tuple[GenerationJob, CompletionRequest]:
+def parse_completion(body: Any, max_tokens_default: int | None,
+                     max_return_sequences: int | None = None) -> tuple[GenerationJob, CompletionRequest]:
+    """`max_return_sequences` caps best_of (the engine caps n, which best_of becomes)."""
     req = _validate(CompletionRequest, body)
     if isinstance(req.prompt, list) and req.prompt and isinstance(req.prompt[0], str):
         if len(req.prompt) != 1:
             raise InvalidRequestError("prompt", "takes one prompt per request")
         req.prompt = req.prompt[0]
+    if req.prompt_only and not req.echo:
+        raise InvalidRequestError("max_tokens", "may be 0 only with echo: true (the prompt alone)")
+    best_of = req.best_of or req.n
+    if best_of < req.n:
+        raise InvalidRequestError("best_of", f"must be at least n ({req.n})")
+    if best_of > req.n and req.stream:
+        raise InvalidRequestError("best_of", "does not combine with stream: true (the likeliest are known at the end)")
+    if max_return_sequences is not None and best_of > max_return_sequences:
+        raise InvalidRequestError("best_of", f"{best_of} exceeds this server's max_return_sequences of "
+                                             f"{max_return_sequences}")
     prompt = {"prompt_token_ids": req.prompt} if isinstance(req.prompt, list) else {"prompt": req.prompt}
-    return _job(req, max_tokens_default, req.logprobs is not None, req.logprobs or 0, **prompt), req
+    job = _job(req, max_tokens_default, req.logprobs is not None, req.logprobs or 0, **prompt)
+    # max_tokens 0 generates one token that the answer leaves out (as vLLM does): the prompt's logits
+    # come from the step that computes its last token, which samples.
+    job.params = replace(job.params, n=best_of, max_tokens=1 if req.prompt_only else job.params.max_tokens,
+                         prompt_logprobs=req.logprobs if req.echo else None)
+    job.echo = req.echo
+    return job, req
 
 
 def parse_chat(body: Any, max_tokens_default: int | None) -> tuple[GenerationJob, ChatRequest]:
@@ -326,10 +359,57 @@ def _usage(chunk: TextChunk, completion_tokens: int) -> dict:
             "total_tokens": chunk.num_prompt_tokens + completion_tokens}
 
 
+class CompletionChoices:
+    """A /v1/completions answer's choices from the engine's outputs (one per response, fed its
+    chunks in order): of best_of outputs the n likeliest (highest cumulative logprob), numbered
+    0..n-1; with echo the prompt before each choice's first text and its logprobs before the
+    first token's; under max_tokens 0 nothing generated, the prompt alone."""
+
+    def __init__(self, req: CompletionRequest):
+        self.n, self.best_of = req.n, req.best_of or req.n
+        self.echo, self.prompt_only = req.echo, req.prompt_only
+        self.prompt: PromptText | None = None  # the first chunk's
+        self.echoed: set[int] = set()
+
+    def __call__(self, chunk: TextChunk) -> TextChunk:
+        self.prompt = self.prompt or chunk.prompt
+        outputs = chunk.outputs
+        if self.best_of > self.n:  # never streamed: these are the whole outputs
+            best = sorted(outputs, key=lambda o: o.cumulative_logprob, reverse=True)[:self.n]
+            outputs = [replace(o, index=i) for i, o in enumerate(best)]
+        metrics = chunk.metrics
+        if self.prompt_only:  # the one token generated to reach the prompt's end is not shown
+            outputs = [replace(o, text="", token_ids=[], logprobs=None if o.logprobs is None else [],
+                               tokens=None if o.tokens is None else [],
+                               finish_reason="length" if o.finish_reason in ("stop", "length") else o.finish_reason)
+                       for o in outputs]
+            metrics = metrics and replace(metrics, num_output_tokens=0)
+        if self.echo:
+            outputs = [self._echoed(o) for o in outputs]
+        return replace(chunk, outputs=outputs, metrics=metrics)
+
+    def _echoed(self, o: TextOutput) -> TextOutput:
+        """The output with the prompt in front: its text once per choice, its logprobs when asked,
+        and text offsets counted from the prompt's start."""
+        shift = len(self.prompt.text)
+        tokens = None if o.tokens is None else [replace(t, offset=t.offset + shift) for t in o.tokens]
+        o = replace(o, tokens=tokens)
+        if o.index in self.echoed:
+            return o
+        self.echoed.add(o.index)
+        if o.logprobs is None or self.prompt.logprobs is None:
+            return replace(o, text=self.prompt.text + o.text)
+        return replace(o, text=self.prompt.text + o.text, logprobs=self.prompt.logprobs + o.logprobs,
+                       tokens=self.prompt.tokens + o.tokens)
+
+
 def completion_response(job_id: str, model: str, chunk: TextChunk, chat: bool, stream: bool,
-                        echo_text: str = "", calls: tools.ToolCallStream | None = None) -> dict:
+                        calls: tools.ToolCallStream | None = None, completion: CompletionChoices | None = None) -> dict:
     """A whole response (stream=False) or one SSE chunk (stream=True) in OpenAI's shape; `calls`
-    (one per response) turns a chat output's tool calls into message.tool_calls."""
+    (one per response) turns a chat output's tool calls into message.tool_calls, `completion` (one
+    per response) makes a completion's choices of the engine's outputs."""
+    if completion is not None:
+        chunk = completion(chunk)
     choices = []
     for o in chunk.outputs:
         finish = o.finish_reason if o.finish_reason != "abort" else None
@@ -347,8 +427,8 @@ def completion_response(job_id: str, model: str, chunk: TextChunk, chat: bool, s
                     {**_token(t.text, t.bytes, lp), "top_logprobs": [_token(*alt) for alt in t.top]}
                     for t, lp in zip(o.tokens, o.logprobs)]}
         else:
-            choice = {"index": o.index, "text": echo_text + o.text, "finish_reason": finish,
-                      "logprobs": _completion_logprobs(o, len(echo_text)) if o.logprobs is not None else None}
+            choice = {"index": o.index, "text": o.text, "finish_reason": finish,
+                      "logprobs": _completion_logprobs(o) if o.logprobs is not None else None}
         choices.append(choice)
     obj = "chat.completion" if chat else "text_completion"
     out = {"id": job_id, "object": obj + (".chunk" if stream and chat else ""), "created": int(time.time()),
@@ -363,17 +443,18 @@ def _token(text: str, raw: bytes, logprob: float) -> dict:
     return {"token": text, "logprob": logprob, "bytes": list(raw)}
 
 
-def _completion_logprobs(o: TextOutput, start: int) -> dict:
+def _completion_logprobs(o: TextOutput) -> dict:
     """The legacy shape: per position a {text: logprob} of the likeliest tokens plus the chosen one
-    (so up to logprobs + 1 entries, as OpenAI says); tokens with the same text share an entry."""
+    (so up to logprobs + 1 entries, as OpenAI says); tokens with the same text share an entry. An
+    echoed prompt's first token has no logprob: null, and null alternatives."""
     top = []
     for t, lp in zip(o.tokens, o.logprobs):
         entry: dict[str, float] = {}
         for text, _, value in [*t.top, (t.text, b"", lp)]:
             entry.setdefault(text, value)  # best first; the likelier of two same texts
-        top.append(entry)
+        top.append(None if lp is None else entry)
     return {"tokens": [t.text for t in o.tokens], "token_logprobs": o.logprobs, "top_logprobs": top,
-            "text_offset": [start + t.offset for t in o.tokens]}
+            "text_offset": [t.offset for t in o.tokens]}
 
 
 def error_body(exc: InvalidRequestError | str, status: int = 400, param: str | None = None) -> dict:

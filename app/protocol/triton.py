@@ -74,11 +74,11 @@ class TritonGenerateRequest(BaseModel):
     num_return_sequences: int | None = Field(None, ge=1)
     stream: bool | None = None
     ignore_eos: bool | None = None  # ours, for benchmarks: generate max_tokens whatever the model says
-    stop: bool | None = None  # a stop request for an id in flight (the inflight_batcher client)
+    stop: bool | None = None  # true: a stop request for the id in flight (parse_stop), never a generation
     exclude_input_in_output: bool | None = None
     return_log_probs: bool | None = None
     return_perf_metrics: bool | None = None
-    request_id: str | None = None
+    request_id: str | None = Field(None, max_length=256)  # as KServe's id; the app holds those in flight
     lora_task_id: int | str | None = None
     lora_path: str | None = None
     lora_id: int | str | None = None  # llmapi: lora_id + lora_name + lora_path together
@@ -105,9 +105,8 @@ class TritonGenerateRequest(BaseModel):
         return [v] if isinstance(v, list) and v and isinstance(v[0], int) else v
 
 
-def parse_generate(model: str, body: Any, served_name: str,
-                   max_tokens_default: int | None) -> tuple[GenerationJob, TritonGenerateRequest]:
-    """Validate a generate body for `model`; InvalidRequestError names the field at fault."""
+def _fields(model: str, body: Any, served_name: str) -> dict:
+    """A body's fields for `model`, from the top level and "parameters", under our names."""
     if model not in (served_name, *TEXT_MODELS, IDS_MODEL):
         raise InvalidRequestError("model", f"unknown model '{model}'; this server has "
                                            f"'{served_name}', {', '.join(TEXT_MODELS)}, '{IDS_MODEL}'")
@@ -121,7 +120,29 @@ def parse_generate(model: str, body: Any, served_name: str,
         if key in ALIASES:
             fields.setdefault(ALIASES[key], fields[key])
             del fields[key]
-    fields = {k: v if k in LIST_FIELDS else _one(v) for k, v in fields.items()}
+    return {k: v if k in LIST_FIELDS else _one(v) for k, v in fields.items()}
+
+
+def parse_stop(model: str, body: Any, served_name: str) -> str | None:
+    """The request id a stop request (`stop: true`) names, or None for a generate request. A stop
+    request's other fields are ignored, as Triton's tensorrt_llm model ignores them (its clients
+    send placeholder inputs with it)."""
+    fields = _fields(model, body, served_name)
+    if fields.get("stop") in (None, False):
+        return None
+    if fields["stop"] is not True:
+        raise InvalidRequestError("stop", "must be a boolean")
+    request_id = fields.get("request_id")
+    if not isinstance(request_id, str) or not request_id:
+        raise InvalidRequestError("request_id", "is required with stop: the id of the request in flight to stop")
+    return request_id
+
+
+def parse_generate(model: str, body: Any, served_name: str,
+                   max_tokens_default: int | None) -> tuple[GenerationJob, TritonGenerateRequest]:
+    """Validate a generate body for `model` (after parse_stop found it is not a stop request);
+    InvalidRequestError names the field at fault."""
+    fields = _fields(model, body, served_name)
     try:
         req = TritonGenerateRequest.model_validate(fields)
     except ValidationError as exc:
@@ -131,9 +152,6 @@ def parse_generate(model: str, body: Any, served_name: str,
         raise InvalidRequestError(where, message) from None
     if req.text_input is None and req.input_ids is None:
         raise InvalidRequestError("text_input", "is required (or input_ids for the tensorrt_llm model)")
-    if req.stop:
-        raise InvalidRequestError("stop", "stop requests by id are not supported; close the stream instead "
-                                          "(the request is aborted and its KV blocks freed)")
     if req.input_ids is not None and model != IDS_MODEL:
         raise InvalidRequestError("input_ids", f"is only taken by the '{IDS_MODEL}' model")
     # TensorRT-LLM's rule: a request that sets no sampling knob (top_k, top_p 0 or absent) decodes greedily.
@@ -152,22 +170,23 @@ def parse_generate(model: str, body: Any, served_name: str,
         logprobs=bool(req.return_log_probs), n=n,
         beam_width=req.beam_width or 1, ignore_eos=bool(req.ignore_eos), length_penalty=req.length_penalty if req.length_penalty is not None else 1.0,
         guide=_guide(req))
-    job = GenerationJob(request_id=req.request_id or uuid.uuid4().hex, params=params, prompt=req.text_input,
+    # The engine's id is ours alone, whatever the client sent: the client's id (req.request_id) is
+    # for stop requests, and may be reused as soon as its stream ends, while the engine may still
+    # be aborting the request that had it.
+    job = GenerationJob(request_id=uuid.uuid4().hex, params=params, prompt=req.text_input,
                         prompt_token_ids=req.input_ids, stop=req.stop_words or [], bad_words=req.bad_words or [],
                         adapter=_adapter(req))
     return job, req
 
 
 def _guide(req: TritonGenerateRequest) -> Guide | None:
-    """TensorRT-LLM's guided decoding inputs (its GuidedDecodingParams types, less structural tags)."""
+    """TensorRT-LLM's guided decoding inputs (its GuidedDecodingParams types); a structural_tag
+    guide is its JSON text ({"structures": [{"begin", "schema", "end"}], "triggers": [...]})."""
     kind, spec = req.guided_decoding_guide_type, req.guided_decoding_guide
     if kind is None:
         if spec is not None:
             raise InvalidRequestError("guided_decoding_guide_type", "is required with guided_decoding_guide")
         return None
-    if kind == "structural_tag":
-        raise InvalidRequestError("guided_decoding_guide_type", "structural_tag is not supported (json, "
-                                                                "json_schema, regex, ebnf_grammar are)")
     if kind != "json" and not spec:
         raise InvalidRequestError("guided_decoding_guide", f"is required for guide type {kind}")
     return Guide({"ebnf_grammar": "ebnf"}.get(kind, kind), spec or "", "guided_decoding_guide")
@@ -222,6 +241,12 @@ def generate_response(model: str, req: TritonGenerateRequest, chunk: TextChunk, 
                    acceptance_rate=m.acceptance_rate, total_accepted_draft_tokens=m.total_accepted_draft_tokens,
                    total_draft_tokens=m.total_draft_tokens)
     return out
+
+
+def stop_response(model: str) -> dict:
+    """What a stop request gets back: Triton's tensorrt_llm model answers it with an empty response
+    (the stopped request's own stream ends with its final response)."""
+    return {"model_name": model, "model_version": MODEL_VERSION}
 
 
 # KServe v2 datatypes -> the JSON values their data may hold (bool is an int in Python: kept apart)

@@ -117,6 +117,22 @@ def test_leaving_early_cancels_the_call_and_closes_the_producer():
     assert log == ["closed"] and cancelled and not inboxes
 
 
+def test_setting_stop_ends_the_stream_as_leaving_would():
+    async def main():
+        log, stop = [], asyncio.Event()
+        inbound, _, calls, start = _plane(1000, 0.005, log)
+        got = []
+        async for d in inbound.receive(start, stop):
+            got.append(d)
+            stop.set()  # from another task in the Ingress; the reader waits for its next item meanwhile
+        await asyncio.sleep(0.1)
+        return got, log, calls[0].task.cancelled(), inbound.inboxes
+
+    got, log, cancelled, inboxes = run(main())
+    assert 1 <= len(got) <= 2 and not any(d.finished for d in got)  # at most the item already pending
+    assert log == ["closed"] and cancelled and not inboxes
+
+
 def test_a_dead_consumer_cancels_what_is_produced_for_it():
     """The consumer's socket closes (its process died): the producer's stream is cancelled, so
     the work upstream (the engine's request) stops."""

@@ -2,7 +2,9 @@
 their neutral values (what clients send by default) pass; chat content may be text parts; guides
 (response_format, vLLM's guided_*) become one engine Guide; tool calls are parsed from the output
 (Hermes and Llama 3 JSON formats, or the JSON a forced tool_choice guides to), malformed ones stay text;
-logprobs, top_logprobs and logit_bias reach the engine and come back in OpenAI's two shapes."""
+logprobs, top_logprobs and logit_bias reach the engine and come back in OpenAI's two shapes; completions'
+echo puts the prompt (and its logprobs) first, max_tokens 0 with it leaves the prompt alone, and best_of
+returns the n likeliest of its outputs."""
 import json
 
 import pytest
@@ -10,8 +12,8 @@ import pytest
 from app.config import ServiceConfig
 from app.engine import InvalidRequestError
 from app.protocol import tools
-from app.protocol.messages import TextChunk, TextOutput, TokenText, merge_chunks
-from app.protocol.openai import completion_response, parse_chat, parse_completion, tool_calls
+from app.protocol.messages import PromptText, TextChunk, TextOutput, TokenText, merge_chunks
+from app.protocol.openai import CompletionChoices, completion_response, parse_chat, parse_completion, tool_calls
 
 BASE = {"model": "m", "prompt": "Hi"}
 CHAT_ONE = {"model": "m", "messages": [{"role": "user", "content": "Hi"}]}
@@ -20,7 +22,6 @@ CHAT_ONE = {"model": "m", "messages": [{"role": "user", "content": "Hi"}]}
 @pytest.mark.parametrize("field, value", [
     ("tools", [{"type": "function", "function": {"name": "f"}}]),
     ("tool_choice", "auto"),
-    ("best_of", 3),
     ("top_logprobs", 2),  # a chat field; /v1/completions asks with logprobs: N
     ("functions", [{"name": "f"}]),
     ("made_up", 1),
@@ -94,12 +95,100 @@ def test_chat_logprobs_carry_token_text_bytes_and_alternatives():
 
 def test_completion_logprobs_take_the_legacy_shape():
     chunk = TextChunk([_logprob_output()], True, 3)
-    (choice,) = completion_response("id", "m", chunk, False, False, echo_text="Say")["choices"]
-    assert choice["text"] == "Say café"
+    (choice,) = completion_response("id", "m", chunk, False, False)["choices"]
+    assert choice["text"] == " café"
     assert choice["logprobs"] == {
-        "tokens": [" café", "\ufffd"], "token_logprobs": [-0.1, -1.2], "text_offset": [3, 8],  # after the echo
+        "tokens": [" café", "\ufffd"], "token_logprobs": [-0.1, -1.2], "text_offset": [0, 5],
         # the likeliest tokens plus the chosen one; same texts share the likelier entry
         "top_logprobs": [{" café": -0.1, " cafe": -2.5}, {"\ufffd": -0.7, "!": -1.0}]}
+
+
+# "Say" as the detokenizer sends it with prompt logprobs: the first token has none (nothing before it)
+PROMPT = PromptText("Say", [TokenText("S", b"S", 0, []), TokenText("ay", b"ay", 1, [("ay", b"ay", -0.3)])],
+                    [None, -0.3])
+
+
+def _echo(body: dict, chunks: list[TextChunk], stream: bool = False) -> list[dict]:
+    job, req = parse_completion({**BASE, "echo": True, **body}, 16)
+    choices = CompletionChoices(req)
+    return [completion_response("id", "m", c, False, stream, completion=choices) for c in chunks]
+
+
+def test_echo_puts_the_prompt_and_its_logprobs_first():
+    """echo with logprobs: the prompt's text before the completion's, and its tokens before the
+    completion's (a null logprob and null alternatives first, as OpenAI's legacy API); offsets count
+    from the prompt's start. The engine is asked for the prompt's logprobs with as many alternatives."""
+    job, _ = parse_completion({**BASE, "echo": True, "logprobs": 2}, 16)
+    assert job.echo and job.params.prompt_logprobs == 2
+    assert parse_completion({**BASE, "logprobs": 2}, 16)[0].params.prompt_logprobs is None  # not without echo
+    (out,) = _echo({"logprobs": 2}, [TextChunk([_logprob_output()], True, 2, prompt=PROMPT)])
+    (choice,) = out["choices"]
+    assert choice["text"] == "Say café"
+    assert choice["logprobs"] == {
+        "tokens": ["S", "ay", " café", "\ufffd"], "token_logprobs": [None, -0.3, -0.1, -1.2],
+        "top_logprobs": [None, {"ay": -0.3}, {" café": -0.1, " cafe": -2.5}, {"\ufffd": -0.7, "!": -1.0}],
+        "text_offset": [0, 1, 3, 8]}
+    (text_only,) = _echo({}, [TextChunk([TextOutput(0, " there", [5], None, -1.0, "stop")], True, 2,
+                                        prompt=PromptText("Say"))])
+    assert text_only["choices"][0]["text"] == "Say there" and text_only["choices"][0]["logprobs"] is None
+
+
+def test_streamed_echo_comes_once_per_choice_in_its_first_chunk():
+    """Each choice's first streamed chunk starts with the prompt, whichever chunk that is, and later
+    chunks' offsets still count from the prompt's start."""
+    first, second = _logprob_output(), _logprob_output()
+    first.tokens, first.logprobs, first.text = first.tokens[:1], first.logprobs[:1], " café"
+    second.tokens, second.logprobs, second.text = second.tokens[1:], second.logprobs[1:], "!"
+    chunks = [TextChunk([first], False, 2, prompt=PROMPT), TextChunk([second, _logprob_output(1)], True, 2)]
+    a, b = _echo({"logprobs": 2, "n": 2, "stream": True}, chunks, stream=True)
+    assert [c["text"] for c in a["choices"]] == ["Say café"]
+    assert [c["text"] for c in b["choices"]] == ["!", "Say café"]
+    assert b["choices"][0]["logprobs"]["text_offset"] == [8]
+    assert b["choices"][1]["logprobs"]["tokens"] == ["S", "ay", " café", "\ufffd"]
+
+
+def test_echo_with_max_tokens_0_is_the_prompt_alone():
+    """vLLM's extension: the engine generates one token (the prompt's last step samples), which the
+    answer leaves out; usage counts no completion tokens. Without echo, max_tokens 0 is refused."""
+    job, _ = parse_completion({**BASE, "echo": True, "logprobs": 1, "max_tokens": 0}, 16)
+    assert job.params.max_tokens == 1
+    (out,) = _echo({"logprobs": 1, "max_tokens": 0}, [TextChunk([_logprob_output()], True, 2, prompt=PROMPT)])
+    (choice,) = out["choices"]
+    assert choice["text"] == "Say" and choice["finish_reason"] == "length"
+    assert choice["logprobs"]["tokens"] == ["S", "ay"] and choice["logprobs"]["token_logprobs"] == [None, -0.3]
+    assert out["usage"]["completion_tokens"] == 0
+    with pytest.raises(InvalidRequestError) as err:
+        parse_completion({**BASE, "max_tokens": 0}, 16)
+    assert err.value.field == "max_tokens" and "echo" in err.value.message
+
+
+def test_best_of_generates_more_and_returns_the_likeliest():
+    """best_of outputs are generated (the engine's n), the n with the highest cumulative logprob
+    come back, best first, numbered 0..n-1."""
+    job, _ = parse_completion({**BASE, "best_of": 4, "n": 2, "temperature": 0.8}, 16, max_return_sequences=4)
+    assert job.params.n == 4
+    outputs = [TextOutput(i, f"t{i}", [i], None, lp, "length") for i, lp in enumerate([-3.0, -1.0, -4.0, -2.0])]
+    _, req = parse_completion({**BASE, "best_of": 4, "n": 2}, 16)
+    out = completion_response("id", "m", TextChunk(outputs, True, 2), False, False, completion=CompletionChoices(req))
+    assert [(c["index"], c["text"]) for c in out["choices"]] == [(0, "t1"), (1, "t3")]
+
+
+@pytest.mark.parametrize("body, message", [
+    ({"best_of": 1, "n": 2}, "at least n"),
+    ({"best_of": 3, "stream": True}, "stream"),
+    ({"best_of": 5}, "max_return_sequences of 4"),
+])
+def test_best_of_out_of_range_is_refused_by_name(body, message):
+    with pytest.raises(InvalidRequestError, match=message) as err:
+        parse_completion({**BASE, **body}, 16, max_return_sequences=4)
+    assert err.value.field == "best_of"
+
+
+def test_chat_has_no_echo():
+    with pytest.raises(InvalidRequestError) as err:
+        parse_chat({**CHAT_ONE, "echo": True}, 16)
+    assert err.value.field == "echo"
+    parse_chat({**CHAT_ONE, "echo": False}, 16)  # the neutral value passes
 
 
 def test_streamed_logprob_chunks_merge_in_order():

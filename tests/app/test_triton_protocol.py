@@ -2,7 +2,7 @@
 import pytest
 
 from app.engine import InvalidRequestError
-from app.protocol.triton import parse_generate
+from app.protocol.triton import parse_generate, parse_stop
 
 
 def _parse(body, model="ensemble"):
@@ -39,7 +39,6 @@ def test_best_of_equal_to_what_is_returned_is_accepted():
     ({"text_input": "hi", "top_k": -1}, "top_k"),
     ({"text_input": "hi", "lora_path": "x"}, "lora_path"),
     ({"text_input": "hi", "lora_id": 3}, "lora_id"),
-    ({"text_input": "hi", "stop": True}, "stop"),
     ({"input_ids": [1, 2]}, "input_ids"),
     ({"text_input": "hi", "best_of": 3}, "best_of"),  # generating 3 to return the likeliest 1 is not built
     ({"text_input": "hi", "best_of": 4, "num_return_sequences": 2}, "best_of"),
@@ -48,3 +47,30 @@ def test_refusals_name_the_field(body, field):
     with pytest.raises(InvalidRequestError) as err:
         _parse(body)
     assert err.value.field == field
+
+
+def test_a_stop_request_names_its_id_and_the_rest_is_ignored():
+    # The inflight_batcher client sends placeholder inputs (request_output_len 0) with stop.
+    body = {"input_ids": [[0]], "input_lengths": [[1]], "request_output_len": [[0]], "stop": [[True]],
+            "parameters": {"request_id": "r7"}}
+    assert parse_stop("tensorrt_llm", body, "smollm2-135m") == "r7"
+    assert parse_stop("ensemble", {"text_input": "hi", "stop": False, "request_id": "r7"}, "smollm2-135m") is None
+    assert parse_stop("ensemble", {"text_input": "hi"}, "smollm2-135m") is None
+
+
+@pytest.mark.parametrize("body, field", [
+    ({"stop": True}, "request_id"),
+    ({"stop": True, "request_id": ""}, "request_id"),
+    ({"stop": True, "request_id": 7}, "request_id"),
+    ({"stop": "yes", "request_id": "r7"}, "stop"),
+])
+def test_stop_refusals_name_the_field(body, field):
+    with pytest.raises(InvalidRequestError) as err:
+        parse_stop("ensemble", body, "smollm2-135m")
+    assert err.value.field == field and err.value.status == 400
+
+
+def test_a_generated_request_id_is_bounded():
+    with pytest.raises(InvalidRequestError) as err:
+        _parse({"text_input": "hi", "request_id": "x" * 257})
+    assert err.value.field == "request_id"

@@ -1,5 +1,6 @@
 """Guided decoding on SmolLM2 (xgrammar): outputs match their guide; where the guide allows the
-model's own greedy choice, the guided output is the unguided one; a guide that does not compile is
+model's own greedy choice, the guided output is the unguided one; structural tags leave text free
+outside their begin/end pairs and hold it to the schema inside; a guide that does not compile is
 refused naming the request field."""
 import json
 
@@ -62,6 +63,45 @@ def test_where_the_guide_allows_the_greedy_token_the_output_is_unchanged(engine,
     assert guided.outputs[0].token_ids == free
 
 
+def _tags(begin, schema, end, trigger):
+    return Guide("structural_tag", json.dumps({"structures": [{"begin": begin, "schema": schema, "end": end}],
+                                               "triggers": [trigger]}), "guided_decoding_guide")
+
+
+def test_a_structural_tag_masks_only_between_its_begin_and_end(engine, chat):
+    """Walked by hand: before the trigger and after the end any token goes; after the begin only
+    JSON of the schema, up to the end."""
+    tokenizer, _ = chat
+    city = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    matcher = engine.grammars.matcher(engine.grammars.compile(
+        _tags("<function=get_weather>", city, "</function>", "<function=")).result())
+    vocab = engine.grammars.vocab_size
+
+    def walk(text):
+        assert all(matcher.accept(t) for t in tokenizer.encode(text, add_special_tokens=False)), text
+    assert matcher.allowed(vocab).sum() > 0.99 * vocab  # free text
+    walk("Let me check. <function=get_weather>")
+    allowed = [tokenizer.decode([t]) for t in matcher.allowed(vocab).nonzero().flatten().tolist()]
+    assert allowed and all(text.strip() in ("", "{") or text.lstrip().startswith('{"') for text in allowed), allowed[:20]
+    assert not matcher.accept(tokenizer.encode("Paris", add_special_tokens=False)[0])
+    walk('{"city": "Paris"}</function>')
+    assert matcher.allowed(vocab).sum() > 0.99 * vocab  # free again
+    walk(" Done.")
+
+
+def test_a_structural_tag_holds_the_model_to_the_schema_inside_its_tags_only(engine, chat):
+    """SmolLM2 opens a ```json fence of its own accord: held to the tag, the fence holds an object
+    of the schema, and after the fence the model writes prose again."""
+    tokenizer, prompt = chat
+    ids = prompt("Describe a cat as JSON in a ```json code block, with its name and age.")
+    text, _ = _text(engine, tokenizer, ids, _tags("```json\n", CAT, "\n```", "```json"), max_tokens=32)
+    before, _, rest = text.partition("```json\n")  # free until here: the model's own trigger
+    inside, _, after = rest.partition("\n```")
+    assert before == "" and rest
+    jsonschema.validate(json.loads(inside), CAT)
+    assert any(c.isalpha() for c in after)  # prose after the end: free again, not stopped
+
+
 def test_n_samples_each_follow_the_guide(engine, chat):
     tokenizer, prompt = chat
     out = engine.generate([prompt("Pick one.")], SamplingParams(max_tokens=8, temperature=1.0, seed=1, n=3,
@@ -73,7 +113,10 @@ def test_n_samples_each_follow_the_guide(engine, chat):
     (Guide("regex", "(unclosed", "guided_regex"), "does not compile as regex: Regex parsing error"),
     (Guide("json_schema", "{not json", "response_format.json_schema"), "does not compile as json_schema"),
     (Guide("ebnf", "root ::= missing", "guided_grammar"), "does not compile as ebnf"),
-    (Guide("structural_tag", "", "x"), "not supported"),
+    (Guide("lark", "", "x"), "not supported"),
+    (Guide("structural_tag", '{"triggers": ["<f="]}', "response_format"), "structures must be a non-empty list"),
+    (_tags("<g>", CAT, "</g>", "<f="), "does not compile as structural_tag: Invalid structural tag error: One tag"),
+    (_tags("<f>", {"type": "bogus"}, "</f>", "<f"), 'does not compile as structural_tag: Unsupported type "bogus"'),
 ])
 def test_a_guide_that_does_not_compile_is_refused_by_its_field(engine, guide, message):
     with pytest.raises(InvalidRequestError) as err:

@@ -38,6 +38,7 @@ _FAMILIES = (
     {"lora_task_id", "lora_path", "lora_id", "lora_name"},
     {"max_tokens", "min_tokens", "max_completion_tokens"},
     {"stop_words", "stop"},
+    {"stop", "request_id"},  # a stop request names the request to stop by its id
 )
 
 

@@ -83,3 +83,51 @@ def test_logprobs_top_logprobs_and_logit_bias(client, smollm2_tokenizer):
     assert not banned.startswith("The")
     with pytest.raises(openai.BadRequestError, match="logit_bias"):
         client.completions.create(model="smollm2-135m", prompt="x", max_tokens=2, logit_bias={"49152": 1})
+
+
+def test_completion_echo_puts_the_prompt_and_its_logprobs_first(client, smollm2_hf, smollm2_tokenizer):
+    """echo with logprobs: the prompt's text, tokens and logprobs (transformers' log-softmax over the
+    prompt; null for the first token) before the completion's, which are those of a request without
+    echo; streamed, the first chunk starts with the prompt; max_tokens 0 gives the prompt alone."""
+    import torch
+
+    prompt, kwargs = "The capital of France is", dict(model="smollm2-135m", temperature=0, logprobs=2)
+    ids = smollm2_tokenizer.encode(prompt)
+    with torch.inference_mode():
+        ref = torch.log_softmax(smollm2_hf(torch.tensor([ids])).logits[0, :-1].float(), dim=-1)
+    expected = ref.gather(1, torch.tensor(ids[1:])[:, None]).squeeze(1).tolist()
+    plain = client.completions.create(prompt=prompt, max_tokens=6, **kwargs).choices[0]
+    echoed = client.completions.create(prompt=prompt, max_tokens=6, echo=True, **kwargs).choices[0]
+    n, lp = len(ids), echoed.logprobs
+    assert echoed.text == prompt + plain.text and "".join(lp.tokens[:n]) == prompt
+    assert lp.tokens[n:] == plain.logprobs.tokens
+    assert lp.token_logprobs[n:] == pytest.approx(plain.logprobs.token_logprobs, abs=1e-4)
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[1:n] == pytest.approx(expected, abs=1e-3)
+    assert all(len(top) >= 2 and top[t] == value for t, value, top in zip(lp.tokens[1:n], lp.token_logprobs[1:n],
+                                                                           lp.top_logprobs[1:n]))
+    assert lp.text_offset == [len("".join(lp.tokens[:i])) for i in range(len(lp.tokens))]
+
+    streamed = [c.choices[0].text for c in client.completions.create(prompt=prompt, max_tokens=6, echo=True,
+                                                                      stream=True, **kwargs) if c.choices]
+    assert streamed[0].startswith(prompt) and "".join(streamed) == echoed.text
+    alone = client.completions.create(prompt=prompt, max_tokens=0, echo=True, **kwargs)
+    assert alone.choices[0].text == prompt and alone.choices[0].finish_reason == "length"
+    assert alone.choices[0].logprobs.tokens == lp.tokens[:n] and alone.usage.completion_tokens == 0
+    with pytest.raises(openai.BadRequestError, match="echo"):
+        client.chat.completions.create(model="smollm2-135m", messages=[{"role": "user", "content": "Hi"}],
+                                       extra_body={"echo": True})
+
+
+def test_completion_best_of_returns_the_likeliest(client):
+    """best_of 4, n 2 with a seed: the engine's outputs i are seeded seed + i, so they are those of n 4
+    with the same seed, and the answer holds the 2 of them whose logprobs sum highest, best first."""
+    kwargs = dict(model="smollm2-135m", prompt="The weather today is", max_tokens=8, temperature=1.0, seed=11,
+                  logprobs=0)
+    every = client.completions.create(n=4, **kwargs).choices
+    best = client.completions.create(n=2, best_of=4, **kwargs).choices
+    ranked = sorted(every, key=lambda c: sum(c.logprobs.token_logprobs), reverse=True)
+    assert [c.index for c in best] == [0, 1]
+    assert [c.text for c in best] == [c.text for c in ranked[:2]]
+    with pytest.raises(openai.BadRequestError, match="best_of"):
+        client.completions.create(n=1, best_of=2, stream=True, **kwargs)

@@ -66,6 +66,8 @@ def engine_command(args) -> dict:
         results[-1].extra = {**(results[-1].extra or {}), **load_times}
         print(", ".join(f"{key} {value:.1f}" for key, value in load_times.items()), flush=True)
         wl.adapters = None
+    if args.guided:
+        results.append(_guided_run(engine, wl))
     if "hf" in args.compare:
         from tools.bench.hf_baseline import load_hf, run_sequential, run_static_batches
         model = load_hf(engine.model_dir, resolve_dtype(args.dtype, torch.device(args.device)), args.device,
@@ -82,6 +84,30 @@ def engine_command(args) -> dict:
         "model_dir": str(engine.model_dir), "dtype": str(engine.runner.shard.dtype),
         "results": [r.as_dict() for r in results],
     }
+
+
+# A record every request's output must match: long enough for 128 tokens, bounded so each ends.
+GUIDED_SCHEMA = {"type": "object", "properties": {
+    "title": {"type": "string", "maxLength": 60}, "year": {"type": "integer"},
+    "tags": {"type": "array", "items": {"type": "string", "maxLength": 24}, "maxItems": 12},
+    "rating": {"enum": ["low", "medium", "high"]}}, "required": ["title", "year", "tags", "rating"]}
+
+
+def _guided_run(engine: LLMEngine, wl):
+    """The same workload with every request held to GUIDED_SCHEMA; the schema's compile time cold
+    (first sight) and cached (xgrammar's cache) goes into the result."""
+    from app.engine.guided import Guide
+
+    guide = Guide("json_schema", json.dumps(GUIDED_SCHEMA), "bench")
+    compiled = []
+    for _ in range(2):
+        start = time.perf_counter()
+        engine.grammars.compile(guide).result()
+        compiled.append((time.perf_counter() - start) * 1e3)
+    result = run_engine(engine, wl, "ours, JSON schema guided", guide)
+    result.extra = {**(result.extra or {}), "compile_cold_ms": compiled[0], "compile_cached_ms": compiled[1]}
+    print(f"schema compile: cold {compiled[0]:.1f} ms, cached {compiled[1]:.2f} ms", flush=True)
+    return result
 
 
 def _adapter_load_times(engine: LLMEngine, names: list[tuple[str, Path]]) -> dict:
@@ -193,6 +219,7 @@ def main(argv=None) -> None:
     e.add_argument("--policy", default="GUARANTEED_NO_EVICT", choices=["GUARANTEED_NO_EVICT", "MAX_UTILIZATION"])
     e.add_argument("--batching", default="INFLIGHT", choices=["INFLIGHT", "STATIC"])
     e.add_argument("--adapters", type=int, default=0, help="also run with requests spread over K LoRA adapters")
+    e.add_argument("--guided", action="store_true", help="also run with every request held to a JSON schema")
     e.add_argument("--lora-rank", type=int, default=8)
     e.add_argument("--compare", nargs="*", default=[], choices=["hf"])
     e.add_argument("--hf-sequential-requests", type=int, default=4,

@@ -147,6 +147,10 @@ class Sequence:
         if not p.ignore_eos and last in self.eos_ids:
             self._truncate(1)
             return self._finish(FinishReason.STOP, last)
+        if self.grammar is not None and self.grammar.terminated:
+            # The guide is complete (its end id accepted): nothing may follow, ignore_eos or not.
+            self._truncate(1)
+            return self._finish(FinishReason.STOP, last)
         if self.num_output_tokens >= p.min_tokens:
             for stop in p.stop_token_ids:
                 if len(stop) <= self.num_output_tokens and self.token_ids[-len(stop):] == stop:

@@ -169,3 +169,17 @@ def test_a_slow_compile_never_holds_up_the_engine(engine, monkeypatch):
     assert isinstance(failed["late"], InvalidRequestError) and failed["late"].field == "guided_decoding"
     assert failed["late"].message == "did not compile within 0.05 s" and failed["late"].status == 400
     assert failed["queued"].message == "the guide compiler is busy; retry" and failed["queued"].status == 503
+
+
+def test_a_complete_guide_ends_its_output_under_ignore_eos_and_spares_its_batch(engine, chat):
+    """ignore_eos lets the end id through, and the grammar ends with it: the output stops there
+    (asking the finished grammar for a mask raised, failing every request of the step)."""
+    tokenizer, prompt = chat
+    guided = SamplingParams(max_tokens=120, temperature=0.0, ignore_eos=True, guide=Guide("json_schema", json.dumps(CAT)))
+    plain = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    outputs = engine.generate([prompt("Describe a cat as JSON with its name and age."), prompt("Hello")],
+                              [guided, plain])
+    text = tokenizer.decode(outputs[0].outputs[0].token_ids)
+    jsonschema.validate(json.loads(text), CAT)
+    assert outputs[0].outputs[0].finish_reason == "stop" and outputs[0].error is None
+    assert len(outputs[1].outputs[0].token_ids) == 40 and outputs[1].error is None

@@ -4,12 +4,13 @@ from __future__ import annotations
 import time
 
 from app.engine import LLMEngine, SamplingParams
+from app.engine.guided import Guide
 from tools.bench.report import RequestTiming, RunResult, summarize
 from tools.bench.workload import Workload
 
 
-def run_engine(engine: LLMEngine, wl: Workload, name: str = "ours") -> RunResult:
-    params = SamplingParams(max_tokens=wl.output_len, temperature=0.0, ignore_eos=wl.ignore_eos)
+def run_engine(engine: LLMEngine, wl: Workload, name: str = "ours", guide: Guide | None = None) -> RunResult:
+    params = SamplingParams(max_tokens=wl.output_len, temperature=0.0, ignore_eos=wl.ignore_eos, guide=guide)
     arrived: dict[str, float] = {}
     chunks: dict[str, list[float]] = {}
     tokens: dict[str, int] = {}

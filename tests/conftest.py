@@ -115,6 +115,15 @@ async def leave_a_stream_early(engine, prompt: list[int]) -> bool:
     return False
 
 
+async def stream_tokens(engine, request_id: str, prompt: list[int], params: SamplingParams,
+                        adapter_id: str | None = None) -> list[int]:
+    """One request's tokens from an async engine (AsyncLLMEngine or EngineProcess), to the end."""
+    tokens = []
+    async for output in engine.generate(request_id, prompt, params, adapter_id):
+        tokens.extend(output.outputs[0].token_ids)
+    return tokens
+
+
 def random_prompts(n: int, low: int, high: int, vocab: int, seed: int = 0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(low, high + 1, (n,), generator=g).tolist()

@@ -8,7 +8,7 @@ import pytest
 
 from app.engine import EngineConfig, EngineDeadError, InvalidRequestError, SamplingParams
 from app.engine.engine_process import EngineProcess
-from tests.conftest import leave_a_stream_early, make_engine, random_prompts
+from tests.conftest import leave_a_stream_early, make_engine, random_prompts, stream_tokens
 from tests.engine.test_lora import adapter_dirs, expected  # noqa: F401 - fixtures
 
 PROMPTS = random_prompts(4, 5, 30, vocab=256, seed=21)
@@ -65,16 +65,10 @@ def test_an_adapter_added_mid_stream_serves_what_peft_generates(process_engine, 
     prompts, out = expected
     greedy = SamplingParams(max_tokens=16, temperature=0.0)
 
-    async def collect(request_id, adapter_id=None):
-        tokens = []
-        async for output in process_engine.generate(request_id, prompts[0], greedy, adapter_id):
-            tokens.extend(output.outputs[0].token_ids)
-        return tokens
-
     async def main():
-        base = asyncio.create_task(collect("base"))
+        base = asyncio.create_task(stream_tokens(process_engine, "base", prompts[0], greedy))
         await process_engine.add_lora("a", str(adapter_dirs["a"]))
-        return await base, await collect("adapted", "a")
+        return await base, await stream_tokens(process_engine, "adapted", prompts[0], greedy, "a")
 
     assert asyncio.run(main()) == (out[(0, None)], out[(0, "a")])
     assert process_engine.has_lora("a")

@@ -10,7 +10,7 @@ from safetensors.torch import load_file, save_file
 
 from app.engine import InvalidRequestError, SamplingParams
 from app.engine.lora_loader import load_peft_adapter
-from tests.conftest import hf_greedy, make_engine, random_prompts
+from tests.conftest import hf_greedy, make_engine, random_prompts, stream_tokens
 
 ADAPTERS = {  # name -> (seed, rank, targets)
     "a": (1, 4, ["q_proj", "v_proj"]),
@@ -355,21 +355,15 @@ def test_an_adapter_is_prepared_off_the_loop_while_streams_run(tiny_llama_dir, a
     prompts, out = expected
     front, release, preparing = _held_front(tiny_llama_dir)
 
-    async def collect(request_id, adapter_id=None):
-        tokens = []
-        async for output in front.generate(request_id, prompts[0], GREEDY, adapter_id):
-            tokens.extend(output.outputs[0].token_ids)
-        return tokens
-
     async def main():
         adding = asyncio.create_task(front.add_lora("a", str(adapter_dirs["a"])))
         while not preparing:
             await asyncio.sleep(0.01)
-        base = await collect("base")
+        base = await stream_tokens(front, "base", prompts[0], GREEDY)
         assert not adding.done()  # the whole stream ran while the adapter was being prepared
         release.set()
         await adding
-        return base, await collect("adapted", "a")
+        return base, await stream_tokens(front, "adapted", prompts[0], GREEDY, "a")
 
     try:
         assert asyncio.run(main()) == (out[(0, None)], out[(0, "a")])

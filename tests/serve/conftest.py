@@ -56,18 +56,24 @@ def server(tmp_path_factory, smollm2_dir, lora_root):
     ray.shutdown()
 
 
-@pytest.fixture(scope="package")
-def two_engine_server(server, tmp_path_factory, lora_root):
-    """A second application on the same Serve instance: two engine replicas, for routing tests."""
+def run_with_replicas(tmp_path_factory, lora_root, stage: str, replicas: int, name: str) -> str:
+    """Another application on the shared Serve instance, whose `stage` has `replicas` replicas,
+    served as smollm2-<name> under /<name>; returns that route prefix."""
     from ray import serve
 
     from deployments.app import build_app
 
     stages = yaml.safe_load(open("configs/smollm2-135m.yaml"))["serve"]
-    stages["engine"]["num_replicas"] = 2
-    path = _write_config(tmp_path_factory, lora_root, served_model_name="smollm2-two", serve=stages)
-    serve.run(build_app({"config": str(path)}), name="two", route_prefix="/two")
-    return f"{server}/two"
+    stages[stage]["num_replicas"] = replicas
+    path = _write_config(tmp_path_factory, lora_root, served_model_name=f"smollm2-{name}", serve=stages)
+    serve.run(build_app({"config": str(path)}), name=name, route_prefix=f"/{name}")
+    return f"/{name}"
+
+
+@pytest.fixture(scope="package")
+def two_engine_server(server, tmp_path_factory, lora_root):
+    """A second application on the same Serve instance: two engine replicas, for routing tests."""
+    return server + run_with_replicas(tmp_path_factory, lora_root, "engine", 2, "two")
 
 
 @pytest.fixture

@@ -7,9 +7,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-import yaml
 
-from tests.serve.conftest import _write_config
+from tests.serve.conftest import run_with_replicas
 
 LONG = {"text_input": "Tell me a very long story.", "max_tokens": 1500, "ignore_eos": True}
 PROMPT_S = 5.0  # a stopped stream ends within this (it would run for tens of seconds)
@@ -129,14 +128,8 @@ def two_ingress_server(server, tmp_path_factory, lora_root):
     """An app whose Ingress has two replicas: a stop request may land on either."""
     from ray import serve
 
-    from deployments.app import build_app
-
-    stages = yaml.safe_load(open("configs/smollm2-135m.yaml"))["serve"]
-    stages["ingress"]["num_replicas"] = 2
-    path = _write_config(tmp_path_factory, lora_root, served_model_name="smollm2-two-ingress", serve=stages)
-    serve.run(build_app({"config": str(path)}), name="two_ingress", route_prefix="/two-ingress")
-    yield f"{server}/two-ingress"
-    serve.delete("two_ingress")
+    yield server + run_with_replicas(tmp_path_factory, lora_root, "ingress", 2, "two-ingress")
+    serve.delete("two-ingress")
 
 
 def test_a_stop_reaches_the_stream_on_another_ingress_replica(two_ingress_server):

@@ -193,7 +193,8 @@ class Recorder:
 
         workers = sum(1 for node in ray.nodes() if node["Alive"] and node["NodeID"] != self.head)
         app = serve.status().applications.get("llm")
-        replicas = app.deployments["Engine"].replica_states.get("RUNNING", 0) if app else 0
+        engine = app.deployments.get("Engine") if app else None  # listed only once Serve has created it
+        replicas = engine.replica_states.get("RUNNING", 0) if engine else 0
         engines = {}
         for actor in ray._private.state.actors().values():  # the GCS's table: the dashboard is off
             if actor["State"] == "ALIVE" and actor["Name"].startswith("SERVE_REPLICA::llm#Engine#"):

@@ -218,6 +218,9 @@ def _guide(req: _Request) -> Guide | None:
     vLLM's guided_*."""
     guides = []
     fmt = req.response_format
+    for name, owner in (("json_schema", "json_schema"), ("structures", "structural_tag"), ("triggers", "structural_tag")):
+        if fmt is not None and getattr(fmt, name) is not None and fmt.type != owner:  # never silently ignored
+            raise InvalidRequestError(f"response_format.{name}", f"belongs to type {owner}, not {fmt.type}")
     if fmt is not None and fmt.type == "json_object":
         guides.append(Guide("json", "", "response_format"))
     elif fmt is not None and fmt.type == "json_schema":

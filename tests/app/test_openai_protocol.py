@@ -237,6 +237,17 @@ def test_two_guides_or_a_schema_type_without_its_schema_are_refused():
     assert err.value.field == "response_format.json_schema"
 
 
+@pytest.mark.parametrize("fmt, field", [
+    ({"type": "json_object", "json_schema": {"name": "n", "schema": {}}}, "response_format.json_schema"),
+    ({"type": "text", "structures": []}, "response_format.structures"),
+    ({"type": "json_schema", "json_schema": {"name": "n", "schema": {}}, "triggers": ["<"]}, "response_format.triggers"),
+])
+def test_a_response_format_key_of_another_type_is_refused_not_ignored(fmt, field):
+    with pytest.raises(InvalidRequestError) as err:
+        parse_completion({**BASE, "response_format": fmt}, 16)
+    assert err.value.field == field and "belongs to type" in err.value.message
+
+
 # -- tool calls (app/protocol/tools.py) -----------------------------------------------------------
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city", "parameters": {

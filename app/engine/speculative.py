@@ -17,7 +17,6 @@ from __future__ import annotations
 from array import array
 
 from app.engine.config import SpeculativeConfig
-from app.engine.sampling_params import SamplingParams
 from app.engine.sequence import Sequence
 
 
@@ -31,16 +30,13 @@ class NGramProposer:
         self.max_draft_len, self.max_ngram = config.max_draft_len, config.max_matching_ngram_size
 
     @staticmethod
-    def may_speculate(p: SamplingParams) -> bool:
+    def speculates(seq: Sequence) -> bool:
         """Whether the model's choice at a row is its greedy argmax over the raw logits, so that one
-        step's rows check guesses exactly: greedy, no beams, guide, bias, bans or penalties."""
-        return (p.greedy and p.beam_width == 1 and p.guide is None and not p.logit_bias and not p.bad_token_ids
-                and not p.needs_penalties)
-
-    def speculates(self, seq: Sequence) -> bool:
-        """may_speculate, and past min_tokens (before it, each row would ban the end id or not)."""
+        step's rows check guesses exactly: greedy, no beams, guide, bias, bans or penalties, and past
+        min_tokens (before it, each row would ban the end id or not)."""
         p = seq.params
-        return self.may_speculate(p) and (p.ignore_eos or seq.num_output_tokens >= p.min_tokens)
+        return (p.greedy and p.beam_width == 1 and p.guide is None and not p.logit_bias and not p.bad_token_ids
+                and not p.needs_penalties and (p.ignore_eos or seq.num_output_tokens >= p.min_tokens))
 
     @staticmethod
     def missed(seq: Sequence) -> None:

@@ -9,8 +9,10 @@ COMPILE_TIMEOUT_S fails its request (400), one that never started in that time i
 is any past MAX_QUEUED_COMPILES. Each of the request's
 sequences walks the grammar with its own matcher. Before a step samples, the matcher's token
 bitmask removes every token the grammar does not allow next; after, the sampled token advances
-the matcher. A guided request therefore needs its previous token on the host before the next step
-samples: it steps without overlap, as penalties do.
+the matcher. A step's mask therefore needs the previous step's tokens on the host: under the
+overlap scheduler the step's forward pass is queued first and its sampling only after the previous
+step is read back, so the host fills every guided row's mask (one bitmask, one copy) while the GPU
+computes.
 """
 from __future__ import annotations
 
@@ -50,6 +52,7 @@ class GrammarCompiler:
     def __init__(self, model_dir: Path, vocab_size: int, eos_ids: tuple[int, ...]):
         self.model_dir, self.vocab_size, self.eos_ids = model_dir, vocab_size, eos_ids
         self._compiler = None
+        self._batch = None  # fills many matchers' masks at once, on threads of its own
         self._lock = threading.Lock()
         self.timeout_s = COMPILE_TIMEOUT_S
         self._queued = 0  # submitted, not yet done
@@ -66,6 +69,7 @@ class GrammarCompiler:
                 info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size,
                                                                stop_token_ids=list(self.eos_ids) or None)
                 self._compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_limit_bytes=CACHE_BYTES)
+                self._batch = xgrammar.BatchGrammarMatcher(max_threads="auto")
             return self._compiler
 
     def check(self, guide: Guide):
@@ -114,7 +118,7 @@ class GrammarCompiler:
         """A fresh matcher at the start of a compiled grammar."""
         import xgrammar
 
-        return GrammarMatcher(xgrammar.GrammarMatcher(compiled), self.vocab_size)
+        return GrammarMatcher(xgrammar.GrammarMatcher(compiled), self.vocab_size, self._batch)
 
 
 @contextmanager
@@ -157,24 +161,32 @@ def _structural_tag(guide: Guide):
 
 
 class GrammarMatcher:
-    """One sequence's position in its grammar."""
+    """One sequence's position in its grammar. `batch`: the compiler's xgrammar BatchGrammarMatcher,
+    which fills a step's masks for all its matchers at once."""
 
-    def __init__(self, matcher, vocab_size: int):
-        import xgrammar
-
-        self._matcher = matcher
-        self._bitmask = xgrammar.allocate_token_bitmask(1, vocab_size)
-        self._bits = torch.arange(32, dtype=torch.int32)
-
-    def allowed(self, vocab_size: int) -> torch.Tensor:
-        """A bool mask over the vocabulary of the tokens the grammar allows next."""
-        self._matcher.fill_next_token_bitmask(self._bitmask)
-        words = self._bitmask[0]
-        return ((words[:, None] >> self._bits) & 1).bool().flatten()[:vocab_size]
+    def __init__(self, matcher, vocab_size: int, batch):
+        self.xgrammar_matcher, self.vocab_size, self.batch = matcher, vocab_size, batch
 
     def accept(self, token_id: int) -> bool:
-        return self._matcher.accept_token(token_id)
+        return self.xgrammar_matcher.accept_token(token_id)
 
     @property
     def terminated(self) -> bool:
-        return self._matcher.is_terminated()
+        return self.xgrammar_matcher.is_terminated()
+
+
+def token_bitmask(matchers: list[GrammarMatcher], pin: bool) -> torch.Tensor:
+    """One int32 row of 32-token words per matcher, filled on the host (pinned, for a copy that
+    does not wait): bit t of a row is set where its grammar allows token t next."""
+    import xgrammar
+
+    rows, words = xgrammar.get_bitmask_shape(len(matchers), matchers[0].vocab_size)
+    bitmask = torch.empty((rows, words), dtype=torch.int32, pin_memory=pin)
+    matchers[0].batch.batch_fill_next_token_bitmask([m.xgrammar_matcher for m in matchers], bitmask)
+    return bitmask
+
+
+def allowed_tokens(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """The bitmask unpacked where it lies: bool [rows, vocab]."""
+    bits = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    return ((bitmask[:, :, None] >> bits) & 1).bool().flatten(1)[:, :vocab]

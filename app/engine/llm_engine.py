@@ -50,7 +50,7 @@ class Request:
         at earlier token values (penalties, bad words) or beams need every token on the host;
         prompt logprobs are read back with the step that computes them."""
         p = self.params
-        return (self.beam is None and not p.needs_penalties and not p.bad_token_ids and p.guide is None
+        return (self.beam is None and not p.needs_penalties and not p.bad_token_ids
                 and not self.seqs[0].needs_prompt_logprobs)
 
 
@@ -238,9 +238,13 @@ class LLMEngine:
         launched = None
         if not plan.is_empty:
             self._begin(plan)
-            launched = self.runner.launch(plan, self._in_flight)
+            # A guided row's mask needs the token step k is computing: its sampling waits for the read back.
+            guided = any(item.seq.grammar is not None for item in plan.scheduled)
+            launched = self.runner.launch(plan, self._in_flight, sample=not guided)
         outputs = self._finish(self._take_in_flight()) if self._in_flight is not None else []
         if launched is not None:  # after the read back: a sequence that ended on it takes no placeholder
+            if launched.sample is None:
+                self.runner.sample(launched)
             self.scheduler.update(plan, launched.seqs, None)
             self._in_flight = launched
         return outputs

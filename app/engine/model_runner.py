@@ -43,10 +43,13 @@ class StepResult:
 
 @dataclass
 class LaunchedStep:
-    """A step queued on the device whose tokens have not been read back yet (overlapped steps)."""
+    """A step queued on the device whose tokens have not been read back yet (overlapped steps).
+    Its sampling may be queued later than its forward pass (`ModelRunner.sample`): until then
+    `sample` is None and `logits` holds the forward pass's rows."""
     plan: SchedulerOutput
     seqs: list[Sequence]  # aligned with the sample's rows
-    sample: DeviceSample
+    sample: DeviceSample | None = None
+    logits: torch.Tensor | None = None
 
 
 class ModelRunner:
@@ -114,14 +117,25 @@ class ModelRunner:
                           [(seq, value, top) for seq, (value, top) in zip(prompt.seqs, scored)])
 
     @torch.inference_mode()
-    def launch(self, plan: SchedulerOutput, previous: LaunchedStep | None) -> LaunchedStep:
+    def launch(self, plan: SchedulerOutput, previous: LaunchedStep | None, sample: bool = True) -> LaunchedStep:
         """Queue the step on the device and return without waiting for it. Inputs that are tokens
-        of `previous` still on the device (Sequence.pending_row) are read there. One rank only."""
+        of `previous` still on the device (Sequence.pending_row) are read there. One rank only.
+        `sample=False` queues the forward pass alone: `sample` queues the rest once the host has
+        what sampling needs (guided rows: their grammars advanced by `previous`'s tokens)."""
         # A guess follows the sequence's last token on the host: a step with guesses never overlaps.
         assert not any(item.draft for item in plan.scheduled), "a step with guesses was launched overlapped"
         logits, seqs, prompt = self._run(plan, previous.sample.token_ids if previous is not None else None)
         assert not prompt.seqs, "a step computing prompt logprobs is never overlapped"
-        return LaunchedStep(plan, seqs, self.sampler.sample(logits, seqs))
+        launched = LaunchedStep(plan, seqs, logits=logits)
+        if sample:
+            self.sample(launched)
+        return launched
+
+    @torch.inference_mode()
+    def sample(self, launched: LaunchedStep) -> None:
+        """Queue a launched step's sampling."""
+        launched.sample = self.sampler.sample(launched.logits, launched.seqs)
+        launched.logits = None
 
     def _run(self, plan: SchedulerOutput, previous_tokens: torch.Tensor | None):
         groups = self._micro_batches(plan.scheduled)

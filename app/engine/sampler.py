@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from app.engine.guided import allowed_tokens, token_bitmask
 from app.engine.sequence import Sequence
 
 
@@ -112,6 +113,15 @@ class Sampler:
             rows = _on(logits.device, [i for i, bias in biased for _ in bias])
             cols = _on(logits.device, [token for _, bias in biased for token in bias])
             logits[rows, cols] += _on(logits.device, [value for _, bias in biased for value in bias.values()])
+        # A sequence that ended since this step was planned (overlapped) keeps a row nobody reads.
+        guided = [i for i, seq in enumerate(seqs) if seq.grammar is not None and not seq.is_finished]
+        if guided:  # every guided row's mask filled on the host, one copy, applied where the logits are
+            if not copied:
+                logits, copied = logits.clone(), True
+            bitmask = token_bitmask([seqs[i].grammar for i in guided], pin=logits.is_cuda)
+            rows = _on(logits.device, guided)
+            allowed = allowed_tokens(bitmask.to(logits.device, non_blocking=True), logits.shape[-1])
+            logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
         for i, seq in enumerate(seqs):
             p = seq.params
             banned = []
@@ -121,13 +131,10 @@ class Sampler:
             for bad in p.bad_token_ids:
                 if len(bad) == 1 or seq.token_ids[len(seq.token_ids) - len(bad) + 1:] == bad[:-1]:
                     banned.append(bad[-1])
-            if not banned and not p.needs_penalties and seq.grammar is None:
+            if not banned and not p.needs_penalties:
                 continue
             if not copied:
                 logits, copied = logits.clone(), True
-            if seq.grammar is not None:
-                allowed = seq.grammar.allowed(logits.shape[-1]).to(logits.device, non_blocking=True)
-                logits[i].masked_fill_(~allowed, float("-inf"))
             if p.needs_penalties:
                 _apply_penalties(logits[i], seq)
             if banned:

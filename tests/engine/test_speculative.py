@@ -158,7 +158,7 @@ def test_guessing_and_overlapped_steps_take_turns(engines, copy_prompt, smollm2_
     params = SamplingParams(max_tokens=64, temperature=0.0)
     launched = []
     launch = guessing.runner.launch
-    guessing.runner.launch = lambda *args: launched.append(1) or launch(*args)
+    guessing.runner.launch = lambda *args, **kwargs: launched.append(1) or launch(*args, **kwargs)
     plain.overlap = guessing.overlap = True
     try:
         expected, _ = _run(plain, prompts, params)
@@ -183,7 +183,7 @@ def test_a_batch_too_large_to_guess_keeps_overlapping(tiny_llama_dir):
     engine.proposer.propose = spoiled_answers(prompts, plain)  # it would guess, were it allowed
     launched = []
     launch = engine.runner.launch
-    engine.runner.launch = lambda *args: launched.append(1) or launch(*args)
+    engine.runner.launch = lambda *args, **kwargs: launched.append(1) or launch(*args, **kwargs)
     outputs = engine.generate(prompts, params)
     assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in plain]
     assert sum(o.metrics.total_draft_tokens for o in outputs) == 0 and len(launched) >= 25

@@ -63,6 +63,11 @@ lora_step lora-8x8 8 8 256 512
 lora_step lora-64x16 64 16 256 512
 lora_step lora-8x64 8 64 256 512
 lora_step lora-b1 1 16 1 4
+# Guided decoding: every request held to a JSON schema, beside the free run on the same engine.
+# Needs xgrammar importable (carry its wheels: pip install --no-deps --target /tmp/xg, PYTHONPATH)
+# and the shape's tokenizer (python tools/gpu/make_tokenizer.py configs/shapes/llama-3.1-8b).
+bench_step 300 guided-64 --model configs/shapes/llama-3.1-8b --num-requests 256 --concurrency 64 \
+     --max-batch-size 64 --input-len 128 --output-len 128 --guided
 # Where a decode step's time goes (kernels by GPU time), over BASE too where it is set (copy
 # tools/bench/profile_steps.py into a BASE tree older than it).
 profile_step() {  # name model batch

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 from app.engine import LLMEngine, SamplingParams
 from app.engine.guided import Guide
@@ -24,7 +25,8 @@ def run_engine(engine: LLMEngine, wl: Workload, name: str = "ours", guide: Guide
                 wl.arrivals_s is None or wl.arrivals_s[next_i] <= now):
             rid = f"bench-{next_i}"
             adapter = wl.adapters[next_i] if wl.adapters else None
-            engine.add_request(rid, wl.prompts[next_i], params, adapter_id=adapter)
+            own = replace(params, max_tokens=wl.output_lens[next_i]) if wl.output_lens else params
+            engine.add_request(rid, wl.prompts[next_i], own, adapter_id=adapter)
             arrived[rid] = time.perf_counter()
             next_i, in_flight = next_i + 1, in_flight + 1
         if not engine.has_unfinished_requests():
@@ -42,4 +44,6 @@ def run_engine(engine: LLMEngine, wl: Workload, name: str = "ours", guide: Guide
     stats = engine.stats()
     extra = {"steps": engine.num_steps - steps_before, "preemptions": stats.num_preempted_total,
              "kv_hit_rate": stats.kv_cache_hit_rate, "kv_pool_tokens": engine.limits.max_cache_tokens}
-    return summarize(name, wall, timings, sum(len(p) for p in wl.prompts), extra)
+    result = summarize(name, wall, timings, sum(len(p) for p in wl.prompts), extra)
+    result.output_lens = [tokens[rid] for rid in arrived]
+    return result

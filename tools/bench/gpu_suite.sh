@@ -20,7 +20,7 @@ nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv | tee "$out/
 wanted() { [[ -z "${STEPS:-}" || " $STEPS " == *" $1 "* ]]; }
 run() {  # limit log dir command...: one step, in one tree
   local limit=$1 log=$2 dir=$3; shift 3
-  (cd "$dir" && PYTHONPATH=. timeout "$limit" "$@") > "$log" 2>&1
+  (cd "$dir" && PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" timeout "$limit" "$@") > "$log" 2>&1
   echo "$(basename "$log" .log) rc=$?"; tail -3 "$log"
 }
 step() {  # limit name command...

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import statistics
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 
 @dataclass
@@ -29,6 +29,7 @@ class RunResult:
     itl_ms: dict | None = None
     e2e_ms: dict | None = None
     extra: dict | None = None
+    output_lens: list[int] | None = field(default=None, repr=False)  # per request (not reported)
 
     @property
     def output_tok_s(self) -> float:
@@ -39,7 +40,8 @@ class RunResult:
         return self.num_requests / self.wall_s
 
     def as_dict(self) -> dict:
-        return {**asdict(self), "output_tok_s": self.output_tok_s, "requests_s": self.requests_s}
+        fields = {k: v for k, v in asdict(self).items() if k != "output_lens"}
+        return {**fields, "output_tok_s": self.output_tok_s, "requests_s": self.requests_s}
 
 
 def percentiles(values: list[float], scale: float = 1000.0) -> dict | None:

@@ -13,6 +13,7 @@ class Workload:
     arrivals_s: list[float] | None  # offsets from the start, or None: limited by concurrency only
     concurrency: int
     adapters: list[str | None] | None = None
+    output_lens: list[int] | None = None  # per request, in place of output_len
 
     @property
     def num_requests(self) -> int:

@@ -17,6 +17,7 @@ import torch
 
 from app.engine.errors import InvalidRequestError
 from app.engine.lora_loader import LoRAAdapter, load_adapter
+from app.engine.transfer import list_to_device
 
 
 @dataclass
@@ -123,8 +124,7 @@ class LoRASlots:
             items += [(slot, first, end) for first in range(start, end, block_m)]
             start = end
         items += [(0, 0, 0)] * ((num_items or len(items) or 1) - len(items))
-        return SlotBatch(self, torch.tensor(order).to(device, non_blocking=True),
-                         torch.tensor(items, dtype=torch.int32).to(device, non_blocking=True), block_m)
+        return SlotBatch(self, list_to_device(order, device), list_to_device(items, device, torch.int32), block_m)
 
 
 def rows_per_block(num_rows: int) -> int:

@@ -15,6 +15,7 @@ from app.engine.parallel import Distributed, ParallelLayout
 from app.engine.sampler import DeviceSample, Sampler, SamplerOutput, prompt_logprobs
 from app.engine.scheduler import ScheduledSeq, SchedulerOutput
 from app.engine.sequence import Sequence
+from app.engine.transfer import list_to_device, to_device
 from app.engine.worker import ModelShard, RankCommand, StepInputs
 
 
@@ -109,8 +110,8 @@ class ModelRunner:
         logits, seqs, prompt = self._run(plan, None)
         if not prompt.seqs:
             return StepResult(seqs, self.sampler(logits, seqs))
-        at = torch.tensor(prompt.at).to(logits.device, non_blocking=True)
-        sampling = torch.ones(len(logits), dtype=torch.bool).to(logits.device, non_blocking=True)
+        at = list_to_device(prompt.at, logits.device)
+        sampling = to_device(torch.ones(len(logits), dtype=torch.bool), logits.device)
         sampling[at] = False
         scored = prompt_logprobs(logits[at], prompt.targets, [s.params.prompt_logprobs for s in prompt.seqs])
         return StepResult(seqs, self.sampler(logits[sampling], seqs),

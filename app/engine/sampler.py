@@ -13,6 +13,7 @@ import torch
 
 from app.engine.guided import allowed_tokens, token_bitmask
 from app.engine.sequence import Sequence
+from app.engine.transfer import list_to_device
 
 
 @dataclass
@@ -90,10 +91,10 @@ class Sampler:
         else:
             tokens = torch.zeros(len(seqs), dtype=torch.long, device=device)
             if greedy:
-                rows = _on(device, greedy)
+                rows = list_to_device(greedy, device)
                 tokens[rows] = logits[rows].argmax(dim=-1)
             if sample:
-                rows = _on(device, sample)
+                rows = list_to_device(sample, device)
                 tokens[rows] = self._sample(logits[rows], [seqs[i] for i in sample])
         raw_logprobs = torch.log_softmax(raw, dim=-1)
         chosen = raw_logprobs.gather(1, tokens[:, None]).squeeze(1)
@@ -101,7 +102,7 @@ class Sampler:
         if not asking:
             return DeviceSample(tokens, chosen)
         counts = [seqs[i].params.top_logprobs for i in asking]
-        values, ids = raw_logprobs[_on(device, asking)].topk(max(counts), dim=-1)
+        values, ids = raw_logprobs[list_to_device(asking, device)].topk(max(counts), dim=-1)
         return DeviceSample(tokens, chosen, (asking, counts, values, ids))
 
     def _apply_constraints(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
@@ -110,17 +111,17 @@ class Sampler:
         biased = [(i, seq.params.logit_bias) for i, seq in enumerate(seqs) if seq.params.logit_bias]
         if biased:  # one gather and scatter for every biased row of the batch; a row's ids are distinct
             logits, copied = logits.clone(), True
-            rows = _on(logits.device, [i for i, bias in biased for _ in bias])
-            cols = _on(logits.device, [token for _, bias in biased for token in bias])
-            logits[rows, cols] += _on(logits.device, [value for _, bias in biased for value in bias.values()])
+            rows = list_to_device([i for i, bias in biased for _ in bias], logits.device)
+            cols = list_to_device([token for _, bias in biased for token in bias], logits.device)
+            logits[rows, cols] += list_to_device([value for _, bias in biased for value in bias.values()], logits.device)
         # A sequence that ended since this step was planned (overlapped) keeps a row nobody reads.
         guided = [i for i, seq in enumerate(seqs) if seq.grammar is not None and not seq.is_finished]
         if guided:  # every guided row's mask filled on the host, one copy, applied where the logits are
             if not copied:
                 logits, copied = logits.clone(), True
             bitmask = token_bitmask([seqs[i].grammar for i in guided], pin=logits.is_cuda)
-            rows = _on(logits.device, guided)
-            allowed = allowed_tokens(bitmask.to(logits.device, non_blocking=True), logits.shape[-1])
+            rows = list_to_device(guided, logits.device)
+            allowed = allowed_tokens(bitmask.to(logits.device, non_blocking=True), logits.shape[-1])  # pinned
             logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
         for i, seq in enumerate(seqs):
             p = seq.params
@@ -143,7 +144,7 @@ class Sampler:
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         device = logits.device
-        temps = _on(device, [s.params.temperature for s in seqs])
+        temps = list_to_device([s.params.temperature for s in seqs], device)
         logits = logits / temps[:, None]
         truncate = any(s.params.top_k > 0 or s.params.top_p < 1.0 or s.params.min_p > 0.0 for s in seqs)
         index = None
@@ -164,7 +165,7 @@ def prompt_logprobs(logits: torch.Tensor, targets: list[int], counts: list[int]
     and where its count is above 0 that many likeliest (ids, logprobs), best first. Reads back at
     once: steps that compute prompt rows are never overlapped (LLMEngine's Request.overlappable)."""
     logprobs = torch.log_softmax(logits, dim=-1)
-    chosen = logprobs.gather(1, _on(logits.device, targets)[:, None]).squeeze(1).tolist()
+    chosen = logprobs.gather(1, list_to_device(targets, logits.device)[:, None]).squeeze(1).tolist()
     if not max(counts):
         return [(value, None) for value in chosen]
     values, ids = (t.tolist() for t in logprobs.topk(max(counts), dim=-1))
@@ -186,16 +187,12 @@ def _apply_penalties(row: torch.Tensor, seq: Sequence) -> None:
 def _truncate_sorted(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     """top-k, then top-p, then min-p, on logits sorted in descending order."""
     device, vocab = logits.device, logits.shape[-1]
-    ks = _on(device, [s.params.top_k or vocab for s in seqs])
+    ks = list_to_device([s.params.top_k or vocab for s in seqs], device)
     logits = logits.masked_fill(torch.arange(vocab, device=device)[None, :] >= ks[:, None], float("-inf"))
-    top_p = _on(device, [s.params.top_p for s in seqs])
+    top_p = list_to_device([s.params.top_p for s in seqs], device)
     probs = logits.softmax(dim=-1)
     logits = logits.masked_fill(probs.cumsum(dim=-1) - probs > top_p[:, None], float("-inf"))
-    min_p = _on(device, [s.params.min_p for s in seqs])
+    min_p = list_to_device([s.params.min_p for s in seqs], device)
     probs = logits.softmax(dim=-1)
     return logits.masked_fill(probs < min_p[:, None] * probs[:, :1], float("-inf"))
 
-
-def _on(device: torch.device, values: list) -> torch.Tensor:
-    """A host list on the device without a sync (`torch.tensor(..., device=cuda)` waits for the stream)."""
-    return torch.tensor(values).to(device, non_blocking=True)

@@ -22,6 +22,7 @@ from app.engine.lora import LoRACache, LoRASlots
 from app.engine.model_loader import load_model
 from app.engine.models.attention import AttentionMetadata, PackedPrefills
 from app.engine.parallel import SINGLE, Distributed, ParallelLayout
+from app.engine.transfer import to_device
 
 
 class RankCommand(enum.Enum):
@@ -145,7 +146,7 @@ class ModelShard:
                  previous_tokens: torch.Tensor | None = None) -> torch.Tensor:
         input_ids, positions, meta, logits_indices = self._to_device(batch)
         if batch.pending is not None:
-            pending = batch.pending.to(self.device, non_blocking=True)
+            pending = to_device(batch.pending, self.device)
             input_ids[pending[0]] = previous_tokens[pending[1]]
         decode_only = meta.num_decodes == len(input_ids) == len(logits_indices)
         if (self.graphs is not None and decode_only and len(input_ids) <= self.graphs.max_batch_size
@@ -178,12 +179,12 @@ class ModelShard:
         return torch.cat(logits) if self.returns_logits else None
 
     def _to_device(self, batch: StepInputs):
-        """The step's inputs on the device. Every copy is non-blocking: a blocking one would wait for
-        the step already queued, which overlapped steps must not."""
+        """The step's inputs on the device, by copies that do not wait for the step already queued
+        (app/engine/transfer.py)."""
         dev, bs = self.device, self.block_size
 
         def on_device(t: torch.Tensor | None) -> torch.Tensor | None:
-            return None if t is None else t.to(dev, non_blocking=True)
+            return None if t is None else to_device(t, dev)
         prefills = PackedPrefills.build(batch.prefills, bs, dev) if batch.prefills else None
         meta = AttentionMetadata(on_device(batch.slots), batch.num_decodes, on_device(batch.decode_tables),
                                  on_device(batch.decode_lens), prefills)

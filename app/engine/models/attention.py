@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from app.engine.transfer import to_device
+
 
 @dataclass
 class PackedPrefills:
@@ -43,11 +45,12 @@ class PackedPrefills:
         if news != contexts:
             offsets = torch.arange(block_size)
             kv_slots = torch.cat([(torch.tensor(table)[:, None] * block_size + offsets).flatten()[:context]
-                                  for _, _, context, table in prefills]).to(device, non_blocking=True)
+                                  for _, _, context, table in prefills])
+            kv_slots = to_device(kv_slots, device)
 
         def cumulative(sizes):
             starts = torch.tensor([0] + sizes, dtype=torch.int32).cumsum(0, dtype=torch.int32)
-            return starts.to(device, non_blocking=True)
+            return to_device(starts, device)
         return cls(cumulative(news), cumulative(contexts), max(news), max(contexts), kv_slots,
                    list(zip(news, contexts)))
 

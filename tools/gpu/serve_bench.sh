@@ -18,7 +18,8 @@
 #   install    pip, offline, from $WHEELS: pydantic and py-spy; ray[serve] once both halves are there
 #   tokenizer  tools/gpu/make_tokenizer.py for the shape (the Tokenizer and Detokenizer load it)
 #   engine     the engine alone on the same workloads, in a process of its own (no server running)
-#   dag        serve run, then the load generator over HTTP on both routes; stops the server after.
+#   dag        serve run, then the load generator over HTTP on both routes, in the order ROUTES names
+#              (default "triton openai"); stops the server after.
 #              With RAY_SERVE_ENABLE_HA_PROXY=1 in the environment, HAProxy takes HTTP straight to the
 #              Ingress replicas in place of Serve's Python proxy (docs/PERFORMANCE.md compares them)
 # Results: gpu-results/serve/*.json and logs; with the device tool's $OUT set they come back packed
@@ -123,18 +124,19 @@ dag() {
   if (( ready )); then
     nvidia-smi --query-gpu=name,memory.used --format=csv,noheader
     local url=(--url "http://127.0.0.1:$PORT" --client-processes ${CLIENTS:-4 8 1})
-    # The highest level first: its numbers, the profile and the client check matter most.
-    timeout "${HIGH_TIMEOUT:-250}" "${bench[@]}" "${url[@]}" --route triton --concurrency $HIGH --num-requests $HIGH_REQUESTS \
-        --json "$out/dag-triton-high.json" > "$out/dag-triton-high.log" 2>&1 &
-    local bench_pid=$!
-    sleep "${PROFILE_DELAY:-15}"; profile "${PROFILE_SECONDS:-15}"
-    wait "$bench_pid"; echo "dag-triton-high rc=$?"; tail -4 "$out/dag-triton-high.log"; pack
-    timeout 150 "${bench[@]}" "${url[@]}" --route triton --concurrency $LOW --num-requests $LOW_REQUESTS \
-        --json "$out/dag-triton.json" > "$out/dag-triton.log" 2>&1
-    echo "dag-triton rc=$?"; tail -5 "$out/dag-triton.log"; pack
-    timeout "${OPENAI_TIMEOUT:-300}" "${bench[@]}" "${url[@]}" --route openai --concurrency $LOW $HIGH \
-        --num-requests $LOW_REQUESTS $HIGH_REQUESTS --json "$out/dag-openai.json" > "$out/dag-openai.log" 2>&1
-    echo "dag-openai rc=$?"; tail -7 "$out/dag-openai.log"
+    # Each route's highest level first: its numbers, the profile (first route only) and the client
+    # check matter most. ROUTES sets the order (a route run later finds the server warmer).
+    local route profiled=0 bench_pid
+    for route in ${ROUTES:-triton openai}; do
+      timeout "${HIGH_TIMEOUT:-250}" "${bench[@]}" "${url[@]}" --route "$route" --concurrency $HIGH \
+          --num-requests $HIGH_REQUESTS --json "$out/dag-$route-high.json" > "$out/dag-$route-high.log" 2>&1 &
+      bench_pid=$!
+      if (( ! profiled )); then sleep "${PROFILE_DELAY:-15}"; profile "${PROFILE_SECONDS:-15}"; profiled=1; fi
+      wait "$bench_pid"; echo "dag-$route-high rc=$?"; tail -4 "$out/dag-$route-high.log"; pack
+      timeout 150 "${bench[@]}" "${url[@]}" --route "$route" --concurrency $LOW --num-requests $LOW_REQUESTS \
+          --json "$out/dag-$route.json" > "$out/dag-$route.log" 2>&1
+      echo "dag-$route rc=$?"; tail -5 "$out/dag-$route.log"; pack
+    done
   else
     tail -40 "$out/serve.log"
   fi

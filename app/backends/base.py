@@ -13,6 +13,7 @@ from typing import Protocol
 
 from app.config import ServiceConfig
 from app.engine.errors import InvalidRequestError
+from app.engine.guided import GrammarCompiler, Guide
 from app.engine.model_loader import read_model_config, resolve_model_dir
 from app.engine.sampling_params import SamplingParams, request_limits
 from app.protocol.messages import AdapterRef
@@ -103,10 +104,15 @@ def import_backend_package(module: str, pip_name: str) -> object:
                            f"config in NVIDIA's {CONTAINER} container, or use backend: torch") from None
 
 
+# The `json` guide (a JSON object, as OpenAI's json_object) as a schema: TensorRT-LLM's own JSON
+# guide (json_object, guide type "json") is xgrammar's built-in JSON grammar, which allows arrays too.
+OBJECT_SCHEMA = '{"type": "object"}'
+
+
 class ServedModel:
     """What a production backend reads of the model itself: its directory (tokenizer, limits), the
-    request limits (the model's, capped by the config; these backends size their own KV cache) and
-    its end-of-sequence ids."""
+    request limits (the model's, capped by the config; these backends size their own KV cache), its
+    end-of-sequence ids, and a grammar compiler to check guides with."""
 
     def __init__(self, config: ServiceConfig):
         self.dir: Path = resolve_model_dir(config.model)
@@ -115,6 +121,12 @@ class ServedModel:
         max_seq_len = min(config.max_seq_len or model.max_seq_len, model.max_seq_len)
         cache_tokens = config.kv_cache_config.max_tokens or max_seq_len * config.max_batch_size
         self.limits = request_limits(config.engine_config(), model.vocab_size, max_seq_len, cache_tokens)
+        self.grammars = GrammarCompiler(self.dir, model.vocab_size, tuple(self.eos_ids))
+
+    def check_guide(self, guide: Guide) -> None:
+        """Parse the guide as the torch engine does on arrival (xgrammar, no vocabulary needed): one
+        that does not parse is a 400 naming its field now, not a failure inside the executor later."""
+        self.grammars.check(guide)
 
     def end_ids(self, params: SamplingParams) -> tuple[int, list[int]]:
         """The end id to send (the request's, else the model's first) and the model's other end ids,

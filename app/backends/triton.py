@@ -2,9 +2,9 @@
 `tensorrt_llm` model (inflight_batcher_llm: token ids in, token ids out) behind the engine protocol.
 
 Written against the public tritonserver API (Server, Options, ModelControlMode, Model.async_infer,
-InferenceResponse.outputs/final/error, AsyncResponseIterator.cancel) and the tensorrt_llm model's
-inputs and outputs (its config.pbtxt). Tested here against a fake that follows them
-(tests/fakes/tritonserver); neither package can be installed on our machines.
+Model.config, InferenceResponse.outputs/final/error, AsyncResponseIterator.cancel) and the
+tensorrt_llm model's inputs, outputs and parameters (its config.pbtxt). Tested here against a fake
+that follows them (tests/fakes/tritonserver); neither package can be installed on our machines.
 """
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from app.backends.base import (
+    OBJECT_SCHEMA,
     AdapterTable,
     ServedModel,
     StopWatcher,
@@ -22,6 +23,7 @@ from app.backends.base import (
 from app.backends.triton_repository import write_model_repository
 from app.config import ServiceConfig
 from app.engine.errors import BackendError, InvalidRequestError
+from app.engine.guided import Guide
 from app.engine.llm_engine import merge_outputs
 from app.engine.lora_loader import load_peft_adapter, to_trtllm_arrays
 from app.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -29,6 +31,9 @@ from app.engine.sampling_params import SamplingParams, validate_request
 from app.protocol.messages import AdapterRef
 
 NOT_IN_CACHE = "not found in cache"  # the tensorrt_llm model's error for an evicted/unknown lora_task_id
+# Our guide kinds as the model's guided_decoding_guide_type; it maps only these four (any other type
+# is dropped, the request then unguided) and its C++ runtime has no structural tags.
+GUIDE_TYPES = {"json": "json_schema", "json_schema": "json_schema", "regex": "regex", "ebnf": "ebnf_grammar"}
 
 
 def scalar(value, dtype) -> np.ndarray:
@@ -45,6 +50,20 @@ def words_list(sequences: list[list[int]]) -> np.ndarray:
     out[0, 0, :len(flat)] = flat
     out[0, 1, :len(offsets)] = offsets
     return out
+
+
+def text(value: str) -> np.ndarray:
+    """One request's string input (TYPE_STRING, dims [1]): shape [1, 1], UTF-8 bytes."""
+    return np.array([[value.encode("utf-8")]], dtype=object)
+
+
+def guided_decoding_on(model_config: dict) -> bool:
+    """Whether the loaded model decodes guided: both its parameters set, as the backend reads them
+    (empty or a template's unfilled ${...} turns guided decoding off)."""
+    params = model_config.get("parameters", {})
+    values = [params.get(k, {}).get("string_value", "") for k in ("guided_decoding_backend",
+                                                                   "xgrammar_tokenizer_info_path")]
+    return all(v and not v.startswith("${") for v in values)
 
 
 def adapter_arrays(path: str, max_rank: int) -> tuple[np.ndarray, np.ndarray]:
@@ -72,6 +91,7 @@ class TritonBackend:
                                           backend_directory=section.backend_directory, log_error=True)
         self.server.start(wait_until_ready=True, timeout=section.start_timeout_s)
         self.model = self.server.load(section.model_name)
+        self.guided = guided_decoding_on(self.model.config())
         self.adapters = AdapterTable()
         self.lora_arrays: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # task id -> weights, read once
         for name, path in adapters.items():  # read now: a broken adapter stops start-up, with its reason
@@ -86,8 +106,7 @@ class TritonBackend:
         """Our parameters as the tensorrt_llm model's input tensors."""
         if params.min_p:
             raise InvalidRequestError("min_p", "the triton backend's tensorrt_llm model has no min_p input")
-        if params.guide is not None:  # the model's guided_decoding_* inputs: not wired up yet
-            raise InvalidRequestError(params.guide.field, "guided decoding is not supported by the triton backend yet")
+        guide = self.guide_inputs(params.guide) if params.guide is not None else {}
         refuse_torch_only(params, "triton")
         end_id, extra_eos = self.served.end_ids(params)
         inputs = {
@@ -120,7 +139,21 @@ class TritonBackend:
             inputs["stop_words_list"] = words_list(stops)
         if params.bad_token_ids:
             inputs["bad_words_list"] = words_list(params.bad_token_ids)
-        return inputs
+        return {**inputs, **guide}
+
+    def guide_inputs(self, guide: Guide) -> dict[str, np.ndarray]:
+        """guided_decoding_guide_type and guided_decoding_guide, the guide checked first (400 if it
+        does not parse, or if the model cannot follow it)."""
+        if guide.kind not in GUIDE_TYPES:
+            raise InvalidRequestError(guide.field, "the triton backend's tensorrt_llm model takes json, json_schema, "
+                                                   f"regex and ebnf_grammar guides, not {guide.kind}")
+        if not self.guided:
+            raise InvalidRequestError(guide.field, "guided decoding is off in this Triton model repository (its "
+                                                   "config.pbtxt sets no guided_decoding_backend and "
+                                                   "xgrammar_tokenizer_info_path)")
+        self.served.check_guide(guide)
+        return {"guided_decoding_guide_type": text(GUIDE_TYPES[guide.kind]),
+                "guided_decoding_guide": text(OBJECT_SCHEMA if guide.kind == "json" else guide.spec)}
 
     def stop_sequences(self, params: SamplingParams, extra_eos: list[int] | None = None) -> list[list[int]]:
         """Stop words, plus the model's other end ids (end_id takes one)."""

@@ -3,16 +3,21 @@ config: what the seeds do by copying inflight_batcher_llm and running fill_templ
 
 Only the ids-in/ids-out model is written: our tokenizer and detokenizer stages replace the seeds'
 preprocessing and postprocessing models, and the ensemble/BLS glue is our DAG. Names, types and
-shapes follow the backend's all_models/inflight_batcher_llm/tensorrt_llm/config.pbtxt.
+shapes follow the backend's all_models/inflight_batcher_llm/tensorrt_llm/config.pbtxt. Guided
+decoding is turned on as its docs/guided_decoding.md does for the C++ backend: the xgrammar
+tokenizer info (TensorRT-LLM's generate_xgrammar_tokenizer_info.py) is written beside config.pbtxt.
 """
 from __future__ import annotations
 
 import hashlib
+import json
+import os
+import tempfile
 from pathlib import Path
 
 from app.config import ServiceConfig
 from app.engine.config import BatchingType, SchedulerPolicy
-from app.engine.model_loader import cache_root
+from app.engine.model_loader import cache_root, read_model_config, resolve_model_dir
 
 # (name, data type, dims) of the inputs we send; every one optional but the first three.
 INPUTS = [
@@ -29,9 +34,12 @@ INPUTS = [
     ("stop", "TYPE_BOOL", "[ 1 ]"), ("streaming", "TYPE_BOOL", "[ 1 ]"),
     ("num_return_sequences", "TYPE_INT32", "[ 1 ]"), ("lora_task_id", "TYPE_UINT64", "[ 1 ]"),
     ("lora_weights", "TYPE_FP16", "[ -1, -1 ]"), ("lora_config", "TYPE_INT32", "[ -1, 3 ]"),
+    ("guided_decoding_guide_type", "TYPE_STRING", "[ 1 ]"), ("guided_decoding_guide", "TYPE_STRING", "[ 1 ]"),
 ]
 REQUIRED = {"input_ids", "input_lengths", "request_output_len"}
-RAGGED = {"input_ids", "stop_words_list", "bad_words_list", "lora_weights", "lora_config"}
+RAGGED = {"input_ids", "stop_words_list", "bad_words_list", "lora_weights", "lora_config",
+          "guided_decoding_guide_type", "guided_decoding_guide"}
+TOKENIZER_INFO = "xgrammar_tokenizer_info.json"
 
 OUTPUTS = [
     ("output_ids", "TYPE_INT32", "[ -1, -1 ]"), ("sequence_length", "TYPE_INT32", "[ -1 ]"),
@@ -43,8 +51,9 @@ OUTPUTS = [
 ]
 
 
-def backend_parameters(config: ServiceConfig) -> dict[str, str]:
-    """The tensorrt_llm model's `parameters`, in the seeds' key names, from our config."""
+def backend_parameters(config: ServiceConfig, tokenizer_info: str | None = None) -> dict[str, str]:
+    """The tensorrt_llm model's `parameters`, in the seeds' key names, from our config; guided
+    decoding on when given the path of the xgrammar tokenizer info."""
     section, kv = config.triton, config.kv_cache_config
     params = {
         "gpt_model_type": "V1" if config.batching_type is BatchingType.STATIC else "inflight_fused_batching",
@@ -63,12 +72,30 @@ def backend_parameters(config: ServiceConfig) -> dict[str, str]:
     }
     if kv.max_tokens is not None:
         params["max_tokens_in_paged_kv_cache"] = str(kv.max_tokens)
+    if tokenizer_info is not None:
+        params["guided_decoding_backend"] = "xgrammar"
+        params["xgrammar_tokenizer_info_path"] = tokenizer_info
     return params
+
+
+def xgrammar_tokenizer_info(model_dir: Path) -> dict | None:
+    """What the backend's xgrammar builds its vocabulary from, as TensorRT-LLM's
+    generate_xgrammar_tokenizer_info.py writes it: the tokens by id, the fast tokenizer's JSON and
+    the end ids (all the model's, as the torch engine's grammars take). None for a tokenizer with no
+    fast form: the model is then written without guided decoding."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=False)
+    if not tokenizer.is_fast:
+        return None
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda item: item[1])
+    return {"encoded_vocab": [token for token, _ in vocab], "tokenizer_str": tokenizer.backend_tokenizer.to_str(),
+            "stop_token_ids": list(read_model_config(model_dir).eos_token_ids)}
 
 
 def _tensor(name: str, dtype: str, dims: str, *, optional: bool, ragged: bool) -> str:
     lines = [f'    name: "{name}"', f"    data_type: {dtype}", f"    dims: {dims}"]
-    if dims == "[ 1 ]":
+    if dims == "[ 1 ]" and not ragged:
         lines.append("    reshape: { shape: [ ] }")
     if ragged:
         lines.append("    allow_ragged_batch: true")
@@ -77,13 +104,13 @@ def _tensor(name: str, dtype: str, dims: str, *, optional: bool, ragged: bool) -
     return "  {\n" + "\n".join(lines) + "\n  }"
 
 
-def render_config(config: ServiceConfig) -> str:
+def render_config(config: ServiceConfig, tokenizer_info: str | None = None) -> str:
     """config.pbtxt of the tensorrt_llm model, decoupled (streaming) as our engine stage needs."""
     inputs = ",\n".join(_tensor(n, t, d, optional=n not in REQUIRED, ragged=n in RAGGED) for n, t, d in INPUTS)
     outputs = ",\n".join("  {\n" + f'    name: "{n}"\n    data_type: {t}\n    dims: {d}' + "\n  }"
                          for n, t, d in OUTPUTS)
     params = "\n".join(f'parameters: {{\n  key: "{k}"\n  value: {{ string_value: "{v}" }}\n}}'
-                       for k, v in backend_parameters(config).items())
+                       for k, v in backend_parameters(config, tokenizer_info).items())
     section = config.triton
     return (f'name: "{section.model_name}"\nbackend: "tensorrtllm"\nmax_batch_size: {config.max_batch_size}\n\n'
             "model_transaction_policy {\n  decoupled: true\n}\n\n"
@@ -94,12 +121,23 @@ def render_config(config: ServiceConfig) -> str:
 
 
 def write_model_repository(config: ServiceConfig, root: str | Path | None = None) -> Path:
-    """Write <root>/<model_name>/config.pbtxt and its version folder; the default root is a
-    folder named by the config's hash under the cache, so replicas of one config share it."""
-    text = render_config(config)
-    if root is None:
-        root = cache_root() / "triton-repositories" / hashlib.sha256(text.encode()).hexdigest()[:16]
-    model_dir = Path(root) / config.triton.model_name
+    """Write <root>/<model_name>/config.pbtxt, its version folder and the xgrammar tokenizer info;
+    the default root is a folder named by the hash of the config and the model, so replicas of one
+    config share it (each file is replaced whole: a replica starting meanwhile reads old or new)."""
+    tokenizer_dir = resolve_model_dir(config.model)
+    if root is None:  # hashed without the tokenizer info's path, which follows from the root
+        key = render_config(config) + str(tokenizer_dir)
+        root = cache_root() / "triton-repositories" / hashlib.sha256(key.encode()).hexdigest()[:16]
+    model_dir = Path(root).resolve() / config.triton.model_name
     (model_dir / "1").mkdir(parents=True, exist_ok=True)
-    (model_dir / "config.pbtxt").write_text(text)
+    info = xgrammar_tokenizer_info(tokenizer_dir)
+    if info is not None:
+        _write_whole(model_dir / TOKENIZER_INFO, json.dumps(info))
+    _write_whole(model_dir / "config.pbtxt", render_config(config, str(model_dir / TOKENIZER_INFO) if info else None))
     return Path(root)
+
+
+def _write_whole(path: Path, text: str) -> None:
+    with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=f".{path.name}.", delete=False) as f:
+        f.write(text)
+    os.replace(f.name, path)

@@ -1,23 +1,54 @@
 """TensorRT-LLM's LLM API behind the engine protocol.
 
-Written against the public API of tensorrt_llm (LLM, SamplingParams, LoRARequest, the
-RequestOutput of generate_async); it is tested here against a fake that follows those signatures
-(tests/fakes/tensorrt_llm), never against the real package, which cannot be installed on our
-machines. The config's engine keys go to tensorrt_llm.LLM(...) as the seeds' model.yaml does.
+Written against the public API of tensorrt_llm (LLM, SamplingParams, GuidedDecodingParams,
+LoRARequest, the RequestOutput of generate_async); it is tested here against a fake that follows
+those signatures (tests/fakes/tensorrt_llm), never against the real package, which cannot be
+installed on our machines. The config's engine keys go to tensorrt_llm.LLM(...) as the seeds'
+model.yaml does.
 """
 from __future__ import annotations
 
 import importlib
+import json
 from datetime import timedelta
 
-from app.backends.base import AdapterTable, ServedModel, StopWatcher, import_backend_package, refuse_torch_only
+from app.backends.base import (
+    OBJECT_SCHEMA,
+    AdapterTable,
+    ServedModel,
+    StopWatcher,
+    import_backend_package,
+    refuse_torch_only,
+)
 from app.config import ServiceConfig
 from app.engine.errors import BackendError, InvalidRequestError
+from app.engine.guided import Guide
 from app.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from app.engine.sampling_params import SamplingParams, validate_request
 from app.protocol.messages import AdapterRef
 
 FINISH_REASONS = {"stop": "stop", "length": "length", "cancelled": "abort", "timeout": "abort"}
+GUIDE_FIELDS = {"json_schema": "json", "regex": "regex", "ebnf": "grammar"}  # our kind -> GuidedDecodingParams field
+
+
+def guided_decoding_params(guide: Guide, params_cls) -> object:
+    """Our guide as TensorRT-LLM's GuidedDecodingParams (one field set)."""
+    if guide.kind == "json":
+        return params_cls(json=OBJECT_SCHEMA)
+    if guide.kind == "structural_tag":
+        return params_cls(structural_tag=structural_tag(guide.spec))
+    return params_cls(**{GUIDE_FIELDS[guide.kind]: guide.spec})
+
+
+def structural_tag(spec: str) -> str:
+    """Our structural tag ({"structures": [{"begin", "schema", "end"}], "triggers": [...]}, checked
+    already) as the JSON TensorRT-LLM hands to xgrammar's compile_structural_tag since its move to
+    XGrammar 0.1.25: triggered tags, each holding its structure's JSON schema between begin and end."""
+    tag = json.loads(spec)
+    tags = [{"begin": s["begin"], "content": {"type": "json_schema", "json_schema": s["schema"]}, "end": s["end"]}
+            for s in tag["structures"]]
+    return json.dumps({"type": "structural_tag",
+                       "format": {"type": "triggered_tags", "triggers": tag["triggers"], "tags": tags}})
 
 
 def llm_kwargs(config: ServiceConfig, model_dir: str) -> dict:
@@ -30,8 +61,10 @@ def llm_kwargs(config: ServiceConfig, model_dir: str) -> dict:
         "max_batch_size": config.max_batch_size, "max_num_tokens": config.max_num_tokens,
         "max_beam_width": config.max_beam_width, "enable_chunked_prefill": config.enable_chunked_prefill,
         "trust_remote_code": config.trust_remote_code,
-        # Our tokenizer stage owns text: the backend takes and returns ids only.
-        "skip_tokenizer_init": True,
+        # Guided decoding is chosen when the LLM is built, not per request. Its xgrammar backend
+        # reads the vocabulary from the LLM's tokenizer, so the tokenizer is loaded (no
+        # skip_tokenizer_init), though our tokenizer stage owns text: ids in, ids out.
+        "guided_decoding_backend": "xgrammar",
         "kv_cache_config": {"enable_block_reuse": kv.enable_block_reuse, "tokens_per_block": kv.tokens_per_block,
                             "free_gpu_memory_fraction": kv.free_gpu_memory_fraction, "max_tokens": kv.max_tokens},
         "scheduler_config": {"capacity_scheduler_policy": config.scheduler_policy.value},
@@ -62,7 +95,10 @@ class TrtllmBackend:
         self.served = ServedModel(config)
         self.eos_ids = self.served.eos_ids
         self.lora_request_cls = importlib.import_module("tensorrt_llm.executor").LoRARequest
-        self.llm = self.trtllm.LLM(**llm_kwargs(config, str(self.served.dir)))
+        self.guided_params_cls = importlib.import_module("tensorrt_llm.sampling_params").GuidedDecodingParams
+        kwargs = llm_kwargs(config, str(self.served.dir))
+        self.guided_backend = kwargs.get("guided_decoding_backend")  # llm_args may have replaced ours
+        self.llm = self.trtllm.LLM(**kwargs)
         self.adapters = AdapterTable()
         for name, path in adapters.items():  # TensorRT-LLM reads the weights from the path on first use
             self.adapters.register(name, path)
@@ -75,8 +111,7 @@ class TrtllmBackend:
     def sampling_params(self, params: SamplingParams) -> object:
         """Our parameters as tensorrt_llm.SamplingParams (field names from its public dataclass)."""
         single = lambda seqs: [s[0] for s in seqs if len(s) == 1]  # noqa: E731
-        if params.guide is not None:  # TensorRT-LLM's GuidedDecodingParams: not wired up yet
-            raise InvalidRequestError(params.guide.field, "guided decoding is not supported by the trtllm backend yet")
+        guided = self.guided_decoding(params.guide) if params.guide is not None else None
         refuse_torch_only(params, "trtllm")
         if any(len(s) > 1 for s in params.bad_token_ids):
             raise InvalidRequestError("bad_words", "the trtllm backend bans single tokens only; every bad word "
@@ -94,7 +129,15 @@ class TrtllmBackend:
             bad_token_ids=single(params.bad_token_ids) or None, ignore_eos=params.ignore_eos,
             logprobs=1 if params.logprobs else None, n=params.n, best_of=params.beam_width if beam else None,
             use_beam_search=beam, length_penalty=params.length_penalty if beam else None,
-            detokenize=False, return_perf_metrics=True)
+            guided_decoding=guided, detokenize=False, return_perf_metrics=True)
+
+    def guided_decoding(self, guide: Guide) -> object:
+        """The request's GuidedDecodingParams, its guide checked first (400 if it does not parse)."""
+        if self.guided_backend != "xgrammar":
+            raise InvalidRequestError(guide.field, "guided decoding needs the LLM built with guided_decoding_backend: "
+                                                   "xgrammar (this config's llm_args set another)")
+        self.served.check_guide(guide)
+        return guided_decoding_params(guide, self.guided_params_cls)
 
     def lora_request(self, adapter: AdapterRef | None) -> object | None:
         if adapter is None:

@@ -1,15 +1,19 @@
 """The triton backend against the fake tritonserver (tests/fakes): the model repository helper,
-input mapping, decoupled streaming, cancellation, stop words, LoRA first use and eviction, errors."""
+input mapping, guides, decoupled streaming, cancellation, stop words, LoRA first use and eviction,
+errors."""
+import json
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from app.engine import InvalidRequestError, SamplingParams
 from app.engine.errors import BackendError
+from app.engine.guided import Guide
 from app.protocol.messages import AdapterRef
 from tests.backends.conftest import collect, engine_reference, greedy_stream, service_config
-from tests.backends.test_trtllm_backend import PROMPT
+from tests.backends.test_trtllm_backend import PROMPT, SCHEMA, TAG
 
 # config.pbtxt parameters of the seeds' inflight_batcher_llm tensorrt_llm model that we fill.
 SEED_PARAMETERS = {"gpt_model_type", "gpt_model_path", "batch_scheduler_policy", "kv_cache_free_gpu_mem_fraction",
@@ -60,8 +64,68 @@ def test_repository_follows_the_seeds_config(smollm2_dir, tmp_path):
     assert inputs["input_ids"] == {"type": "TYPE_INT32", "dims": [-1], "optional": False}
     assert inputs["stop_words_list"]["dims"] == [2, -1] and inputs["seed"]["type"] == "TYPE_UINT64"
     assert inputs["lora_weights"]["type"] == "TYPE_FP16" and inputs["lora_config"]["dims"] == [-1, 3]
+    for name in ("guided_decoding_guide_type", "guided_decoding_guide"):
+        assert inputs[name] == {"type": "TYPE_STRING", "dims": [1], "optional": True}
+    assert 'name: "guided_decoding_guide"\n    data_type: TYPE_STRING\n    dims: [ 1 ]\n    allow_ragged_batch: true' \
+        in render_config(config)  # as the seeds declare it: ragged, no reshape
+    assert "guided_decoding_backend" not in p  # on only with the tokenizer info written beside it
     assert {"output_ids", "sequence_length", "cum_log_probs", "output_log_probs", "sequence_index",
             "arrival_time_ns", "kv_cache_reused_blocks"} <= set(parsed["outputs"])
+
+
+def test_the_written_repository_turns_guided_decoding_on(smollm2_dir, tmp_path):
+    from transformers import AutoTokenizer
+    from tritonserver._api import parse_model_config
+
+    from app.backends.triton_repository import write_model_repository
+
+    config = service_config(smollm2_dir, backend="triton", triton={"engine_dir": "/engines/llama"})
+    model_dir = write_model_repository(config, tmp_path) / "tensorrt_llm"
+    p = parse_model_config((model_dir / "config.pbtxt").read_text())["parameters"]
+    assert p["guided_decoding_backend"] == "xgrammar"
+    assert p["xgrammar_tokenizer_info_path"] == str(model_dir.resolve() / "xgrammar_tokenizer_info.json")
+    info = json.loads(Path(p["xgrammar_tokenizer_info_path"]).read_text())
+    vocab = AutoTokenizer.from_pretrained(smollm2_dir).get_vocab()
+    assert info["encoded_vocab"] == sorted(vocab, key=vocab.get) and json.loads(info["tokenizer_str"])["model"]
+    assert info["stop_token_ids"] and all(isinstance(t, int) for t in info["stop_token_ids"])
+
+
+@pytest.mark.parametrize("guide, guide_type, sent", [
+    (Guide("json"), "json_schema", '{"type": "object"}'),  # an object, as on the torch engine ("json" allows arrays)
+    (Guide("json_schema", SCHEMA, "guided_decoding_guide"), "json_schema", SCHEMA),
+    (Guide("regex", "[0-9]{3}"), "regex", "[0-9]{3}"),
+    (Guide("ebnf", 'root ::= "yes" | "no"'), "ebnf_grammar", 'root ::= "yes" | "no"'),
+], ids=["json", "json_schema", "regex", "ebnf"])
+def test_a_guide_becomes_the_guided_decoding_inputs(backend, guide, guide_type, sent):
+    _, merged = collect(backend, PROMPT, SamplingParams(max_tokens=4, temperature=0.0, guide=guide))
+    assert merged.finished
+    values = last_request(backend)
+    assert values["guided_decoding_guide_type"].tolist() == [guide_type.encode()]
+    assert values["guided_decoding_guide"].tolist() == [sent.encode()]
+    model = backend.server._loaded["tensorrt_llm"]
+    assert model.guided_decoding is not None and model.guides[-1] == (guide_type, sent)
+    assert "guided_decoding_guide" not in backend.inputs(PROMPT, SamplingParams())
+
+
+def test_guides_the_model_cannot_follow_are_refused(backend, smollm2_dir, tmp_path):
+    from app.backends.triton import TritonBackend
+    from app.backends.triton_repository import render_config
+
+    for guide, message in ((Guide("structural_tag", TAG, "guided_decoding_guide"), "not structural_tag"),
+                           (Guide("json_schema", "{not json", "guided_decoding_guide"), "does not compile")):
+        with pytest.raises(InvalidRequestError, match=f"guided_decoding_guide: .*{message}"):
+            collect(backend, PROMPT, SamplingParams(max_tokens=4, guide=guide))
+    # A repository of one's own without guided decoding: guides are refused, not sent unguided.
+    config = service_config(smollm2_dir, backend="triton",
+                            triton={"engine_dir": str(smollm2_dir), "model_repository": str(tmp_path)})
+    (tmp_path / "tensorrt_llm" / "1").mkdir(parents=True)
+    (tmp_path / "tensorrt_llm" / "config.pbtxt").write_text(render_config(config))
+    plain = TritonBackend(config, {})
+    try:
+        with pytest.raises(InvalidRequestError, match="guided decoding is off in this Triton model repository"):
+            plain.inputs(PROMPT, SamplingParams(guide=Guide("json")))
+    finally:
+        plain.shutdown()
 
 
 def test_every_field_becomes_its_input_tensor(backend):

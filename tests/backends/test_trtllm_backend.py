@@ -1,15 +1,20 @@
 """The trtllm backend against the fake tensorrt_llm (tests/fakes): argument and field mapping,
-streaming, abort, stop sequences, LoRA, errors."""
+guides, streaming, abort, stop sequences, LoRA, errors."""
+import json
 import sys
 
 import pytest
 
 from app.engine import InvalidRequestError, SamplingParams
 from app.engine.errors import BackendError
+from app.engine.guided import Guide
 from app.protocol.messages import AdapterRef
 from tests.backends.conftest import collect, engine_reference, greedy_stream, service_config
 
 PROMPT = [1, 9690, 198, 2683, 314, 260, 3575, 282, 4649, 47, 2, 198, 1, 4093, 198]
+SCHEMA = '{"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}'
+TAG = json.dumps({"structures": [{"begin": "<f=a>", "schema": {"type": "object"}, "end": "</f>"}],
+                  "triggers": ["<f="]})
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +32,9 @@ def backend(smollm2_dir, lora_root):
 
 def test_config_keys_reach_llm_as_model_yaml_does(backend, smollm2_dir):
     args = backend.llm.args
-    assert args["model"] == str(smollm2_dir) and args["skip_tokenizer_init"] is True
+    # The tokenizer is loaded (the default): the xgrammar backend builds its vocabulary from it.
+    assert args["model"] == str(smollm2_dir) and args["skip_tokenizer_init"] is False
+    assert args["guided_decoding_backend"] == "xgrammar"
     assert (args["tensor_parallel_size"], args["pipeline_parallel_size"]) == (1, 1)
     assert (args["max_batch_size"], args["max_num_tokens"], args["max_seq_len"]) == (16, 2048, 1024)
     assert args["kv_cache_config"] == {"enable_block_reuse": True, "tokens_per_block": 32,
@@ -59,6 +66,49 @@ def test_every_sampling_field_maps(backend):
     assert backend.sampling_params(SamplingParams()).stop_token_ids == (backend.eos_ids[1:] or None)
     with pytest.raises(InvalidRequestError, match="bad_words"):
         backend.sampling_params(SamplingParams(bad_token_ids=[[1, 2]]))
+
+
+@pytest.mark.parametrize("guide, field, value", [
+    (Guide("json"), "json", '{"type": "object"}'),  # an object, as on the torch engine (json_object allows arrays)
+    (Guide("json_schema", SCHEMA, "guided_json"), "json", SCHEMA),
+    (Guide("regex", "[0-9]{3}"), "regex", "[0-9]{3}"),
+    (Guide("ebnf", 'root ::= "yes" | "no"'), "grammar", 'root ::= "yes" | "no"'),
+], ids=["json", "json_schema", "regex", "ebnf"])
+def test_a_guide_reaches_guided_decoding_params(backend, guide, field, value):
+    _, merged = collect(backend, PROMPT, SamplingParams(max_tokens=4, temperature=0.0, guide=guide))
+    assert merged.finished
+    gd = backend.llm.requests[-1]["sampling_params"].guided_decoding
+    assert type(gd).__module__ == "tensorrt_llm.sampling_params" and getattr(gd, field) == value
+    assert [k for k in ("json", "regex", "grammar", "json_object", "structural_tag") if getattr(gd, k)] == [field]
+
+
+def test_a_structural_tag_is_sent_in_xgrammars_current_form(backend):
+    import xgrammar
+
+    sp = backend.sampling_params(SamplingParams(guide=Guide("structural_tag", TAG, "response_format")))
+    sent = json.loads(sp.guided_decoding.structural_tag)
+    assert sent == {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": ["<f="], "tags": [
+        {"begin": "<f=a>", "content": {"type": "json_schema", "json_schema": {"type": "object"}}, "end": "</f>"}]}}
+    xgrammar.Grammar.from_structural_tag(sp.guided_decoding.structural_tag)  # what TensorRT-LLM compiles
+
+
+def test_guides_that_cannot_run_are_refused(backend, smollm2_dir):
+    from app.backends.trtllm import TrtllmBackend
+
+    for guide, message in ((Guide("regex", "([0-9]", "guided_regex"), "guided_regex: does not compile"),
+                           (Guide("structural_tag", SCHEMA), "guided_decoding: structural tag:")):
+        with pytest.raises(InvalidRequestError, match=message):
+            collect(backend, PROMPT, SamplingParams(max_tokens=4, guide=guide))
+    with pytest.raises(InvalidRequestError, match="guided decoding does not combine with beam search"):
+        collect(backend, PROMPT, SamplingParams(max_tokens=4, beam_width=2, guide=Guide("json")))
+    # llm_args may build the LLM without xgrammar (and skip the tokenizer): guides are then refused.
+    plain = TrtllmBackend(service_config(smollm2_dir, backend="trtllm", llm_args={
+        "guided_decoding_backend": None, "skip_tokenizer_init": True}), {})
+    try:
+        with pytest.raises(InvalidRequestError, match="needs the LLM built with guided_decoding_backend: xgrammar"):
+            plain.sampling_params(SamplingParams(guide=Guide("json")))
+    finally:
+        plain.shutdown()
 
 
 def test_greedy_stream_matches_transformers(backend, smollm2_hf):

@@ -19,7 +19,7 @@ RequestOutput = GenerationResult
 LLM_ARGS = {"pipeline_parallel_size", "max_batch_size", "max_num_tokens", "max_seq_len", "max_beam_width",
             "enable_chunked_prefill", "kv_cache_config", "scheduler_config", "cuda_graph_config",
             "speculative_config", "enable_lora", "lora_config", "backend", "orchestrator_type",
-            "disable_overlap_scheduler"}
+            "disable_overlap_scheduler", "guided_decoding_backend"}
 
 
 class LLM:
@@ -29,6 +29,13 @@ class LLM:
         unknown = set(kwargs) - LLM_ARGS
         if unknown:
             raise ValueError(f"Extra inputs are not permitted: {sorted(unknown)}")
+        guided = kwargs.get("guided_decoding_backend")
+        if guided not in (None, "xgrammar", "llguidance"):
+            raise ValueError(f"Unsupported guided decoding backend {guided}")
+        if guided is not None and skip_tokenizer_init:
+            # The executor's guided decoding config is built from the tokenizer's vocabulary
+            # (_xgrammar_tokenizer_info(self.tokenizer)); a skipped tokenizer is None.
+            raise AttributeError("'NoneType' object has no attribute 'eos_token_id'")
         self.args = {"model": model, "skip_tokenizer_init": skip_tokenizer_init,
                      "trust_remote_code": trust_remote_code, "tensor_parallel_size": tensor_parallel_size,
                      "dtype": dtype, **kwargs}

@@ -1,8 +1,26 @@
-"""Follows tensorrt_llm/sampling_params.py: SamplingParams is a slots, keyword-only dataclass."""
+"""Follows tensorrt_llm/sampling_params.py: SamplingParams and GuidedDecodingParams are slots,
+keyword-only dataclasses; a guide is only recorded here (the portable engine underneath runs
+unguided), since what TensorRT-LLM does with it cannot run on our machines."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import List, Optional, Union
+
+from pydantic import BaseModel
+
+
+@dataclass(slots=True, kw_only=True)
+class GuidedDecodingParams:
+    json: Optional[Union[str, BaseModel, dict]] = None
+    regex: Optional[str] = None
+    grammar: Optional[str] = None
+    json_object: bool = False
+    structural_tag: Optional[str] = None
+
+    def _validate(self):
+        num_guides = sum(bool(getattr(self, f.name)) for f in fields(self))
+        if num_guides > 1:
+            raise ValueError(f"Only one guide can be used for a request, but got {num_guides}.")
 
 
 @dataclass(slots=True, kw_only=True)
@@ -32,6 +50,7 @@ class SamplingParams:
     prompt_logprobs: Optional[int] = None
     exclude_input_from_output: bool = True
     return_perf_metrics: bool = False
+    guided_decoding: Optional[GuidedDecodingParams] = None
     ignore_eos: bool = False
     detokenize: bool = True
     add_special_tokens: bool = True
@@ -42,3 +61,5 @@ class SamplingParams:
             self.best_of = self.n
         if self.best_of < self.n:
             raise ValueError(f"best_of ({self.best_of}) cannot be less than n ({self.n})")
+        if self.guided_decoding is not None:
+            self.guided_decoding._validate()

@@ -1,6 +1,7 @@
 """Server / Options (core: python/tritonserver/_api/_server.py), Model.async_infer (_model.py),
 InferenceRequest (_request.py), InferenceResponse and AsyncResponseIterator with cancel()
-(_response.py), Tensor with DLPack export (_tensor.py). Models come from a repository on disk:
+(_response.py), Model.config (_model.py), Tensor with DLPack export and BYTES from numpy object,
+bytes or str arrays (_tensor.py). Models come from a repository on disk:
 only the TensorRT-LLM backend's `tensorrt_llm` model is served (tritonserver/_trtllm_model.py)."""
 from __future__ import annotations
 
@@ -68,6 +69,9 @@ class Tensor:
     @staticmethod
     def _from_object(obj: Any) -> Tensor:
         array = np.ascontiguousarray(obj)
+        if array.dtype.kind in "OSU":  # object_, bytes_, str_: a BYTES tensor, each item as UTF-8 bytes
+            items = [x if isinstance(x, bytes) else str(x).encode("utf-8") for x in array.flat]
+            return Tensor(DataType.BYTES, array.shape, np.array(items, dtype=object).reshape(array.shape))
         if array.dtype not in NUMPY_TYPES:
             raise InvalidArgumentError(f"unsupported input data type {array.dtype}")
         return Tensor(NUMPY_TYPES[array.dtype], array.shape, array)
@@ -167,6 +171,15 @@ class Model:
 
     def ready(self) -> bool:
         return self.name in self._server._loaded
+
+    def config(self, config_version: int = 1) -> dict:
+        """The loaded model's configuration as Triton serializes it (parameters as string_value maps)."""
+        backend = self._server._loaded.get(self.name)
+        if backend is None:
+            raise NotFoundError(f"Request for unknown model: '{self.name}' is not found")
+        c = backend.config
+        return {"name": self.name, "backend": c["backend"], "max_batch_size": c["max_batch_size"],
+                "parameters": {k: {"string_value": v} for k, v in c["parameters"].items()}}
 
     def metadata(self) -> dict:
         return {"name": self.name, "versions": ["1"], "platform": "tensorrtllm"}

@@ -2,10 +2,14 @@
 against config.pbtxt as Triton checks them, then the behaviours the backend documents: new tokens
 per response when streaming, one response per sequence (sequence_index), `final` on the last one
 only, no finish reason, stop words kept in output_ids, no end_id meaning no end token, LoRA weights
-sent with a task id's first request and cached (LRU) after, perf metrics on request."""
+sent with a task id's first request and cached (LRU) after, perf metrics on request. Guided
+decoding (guided_decoding_backend + xgrammar_tokenizer_info_path, read at load as
+model_instance_state.cc does; the guided_decoding_guide_type/_guide inputs as utils.cc maps them)
+is recorded, not enforced: the portable engine underneath runs unguided."""
 from __future__ import annotations
 
 import asyncio
+import json
 import tempfile
 from collections import OrderedDict
 from pathlib import Path
@@ -19,7 +23,9 @@ from app.engine.outputs import RequestOutput
 from tests.fakes._engine import start_engine
 
 CONFIG_TYPES = {"TYPE_BOOL": DataType.BOOL, "TYPE_UINT64": DataType.UINT64, "TYPE_INT32": DataType.INT32,
-                "TYPE_INT64": DataType.INT64, "TYPE_FP16": DataType.FP16, "TYPE_FP32": DataType.FP32}
+                "TYPE_INT64": DataType.INT64, "TYPE_FP16": DataType.FP16, "TYPE_FP32": DataType.FP32,
+                "TYPE_STRING": DataType.BYTES}
+GUIDE_TYPES = ("json", "json_schema", "regex", "ebnf_grammar")  # any other guide type is dropped, unguided
 
 
 class _Request:
@@ -48,7 +54,9 @@ class TensorrtLlmModel:
             chunked=p.get("enable_chunked_context") == "true")
         self.lora_cache: OrderedDict[int, str] = OrderedDict()  # task id -> weights folder
         self.lora_cache_slots = 8
+        self.guided_decoding = _guided_decoding_config(p)
         self.requests: list[dict] = []  # each request's input arrays, for contract tests
+        self.guides: list[tuple[str, str | None] | None] = []  # each request's guide as the executor gets it
         self._ids = 0
         self._folder = tempfile.TemporaryDirectory(prefix="fake-triton-lora-")
 
@@ -75,6 +83,7 @@ class TensorrtLlmModel:
         self._check(tensors)
         values = {name: t.array[0] for name, t in tensors.items()}  # the batch dimension is 1
         self.requests.append(values)
+        self.guides.append(_guide(values))
         scalar = lambda name, default: values[name].reshape(-1)[0].item() if name in values else default  # noqa: E731
         streaming = bool(scalar("streaming", False))
         if streaming and not self.config["decoupled"]:
@@ -174,6 +183,32 @@ class TensorrtLlmModel:
     def shutdown(self) -> None:
         self.engine.shutdown()
         self._folder.cleanup()
+
+
+def _guided_decoding_config(parameters: dict) -> dict | None:
+    """The executor's guided decoding config: both parameters set (else none), the tokenizer info
+    file present and whole, xgrammar the only backend."""
+    backend, path = parameters.get("guided_decoding_backend", ""), parameters.get("xgrammar_tokenizer_info_path", "")
+    if not backend or backend.startswith("${") or not path or path.startswith("${"):
+        return None
+    if not Path(path).exists():
+        raise TritonError(f"Xgrammar's tokenizer info path at {path} does not exist.")
+    info = json.loads(Path(path).read_text())
+    config = {"encoded_vocab": info["encoded_vocab"], "tokenizer_str": info["tokenizer_str"],
+              "stop_token_ids": info["stop_token_ids"]}
+    if backend != "xgrammar":
+        raise TritonError("Guided decoding is currently supported with 'xgrammar' backend. Invalid "
+                          "guided_decoding_backend parameter provided.")
+    return config
+
+
+def _guide(values: dict) -> tuple[str, str | None] | None:
+    """(guide type, guide) of a request, None without a known guide type."""
+    kind = values.get("guided_decoding_guide_type")
+    if kind is None or kind.reshape(-1)[0].decode() not in GUIDE_TYPES:
+        return None
+    guide = values.get("guided_decoding_guide")
+    return kind.reshape(-1)[0].decode(), None if guide is None else guide.reshape(-1)[0].decode()
 
 
 def _words(array) -> list[list[int]]:

@@ -169,7 +169,8 @@ def serve_command(args) -> dict:
         name = config.name
         for c, wl in workloads.items():
             for p in dict.fromkeys(min(p, c) for p in args.client_processes):  # as given; at most one a stream
-                asyncio.run(run_http(url, args.route, name, synthetic(2, "8", 4, vocab, 99, True, 2), "warm-up"))
+                asyncio.run(run_http(url, args.route, name, synthetic(args.warmup, "8", 4, vocab, 99, True, args.warmup),
+                                     "warm-up"))
                 label = f"dag {args.route} c={c}" + (f" x{p} clients" if p > 1 else "")
                 results.append(run_load(url, args.route, name, wl, label, p))
     print(table(results))
@@ -234,6 +235,7 @@ def main(argv=None) -> None:
     s.add_argument("--config", "--start", dest="config", default="configs/smollm2-135m.yaml")
     s.add_argument("--port", type=int, default=8123)
     s.add_argument("--route", choices=["triton", "openai"], default="triton")
+    s.add_argument("--warmup", type=int, default=2, help="requests sent at once before each level, not counted")
     s.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
     s.add_argument("--num-requests", type=int, nargs="+", default=None,
                    help="per level, one count or one per --concurrency level (default: 2 x concurrency, >= 8)")

@@ -45,7 +45,7 @@ bin=$("$PY" -c 'import os, sys; print(os.path.dirname(sys.executable))')
 # The levels: LOW (one JSON per route) and HIGH (its own run, profiled), with their request counts.
 LOW=${LOW:-"1 64"} LOW_REQUESTS=${LOW_REQUESTS:-"8 128"} HIGH=${HIGH:-256} HIGH_REQUESTS=${HIGH_REQUESTS:-1024}
 bench=("$PY" tools/benchmark.py serve --config "$CONFIG" --input-len "${INPUT_LEN:-128}"
-       --output-len "${OUTPUT_LEN:-128}" --ignore-eos)
+       --output-len "${OUTPUT_LEN:-128}" --ignore-eos --warmup "${WARMUP:-2}")
 
 stash() {
   mkdir -p "$WHEELS"

@@ -156,23 +156,37 @@ def serve_command(args) -> dict:
     workloads = {c: synthetic(n or max(8, 2 * c), args.input_len, args.output_len, vocab, args.seed,
                               args.ignore_eos, c, args.request_rate, args.arrival)
                  for c, n in zip(args.concurrency, counts)}
+    names = sorted(config.lora_adapters)[:args.adapters]
+    if len(names) < args.adapters or (names and args.route != "openai"):
+        raise SystemExit(f"--adapters {args.adapters}: the config registers {len(config.lora_adapters)} "
+                         "(lora_adapters; tools/gpu/lora_config.py writes such a config); /v1 route only")
+    spread = {c: replace(wl, adapters=[names[i % len(names)] for i in range(wl.num_requests)])
+              for c, wl in workloads.items()} if names else {}
+    label = f" {len(names)} adapters"
     results = []
     if args.compare_engine or args.engine_only:  # before the server exists, so that the two never share the cores
         engine = LLMEngine(config.engine_config())
+        for adapter in names:
+            engine.add_lora(adapter, config.lora_adapters[adapter])
         engine.generate([[100] * 16], SamplingParams(max_tokens=4, temperature=0.0))
-        results += [run_engine(engine, wl, f"engine c={c}") for c, wl in workloads.items()]
+        for c, wl in workloads.items():
+            results.append(run_engine(engine, wl, f"engine c={c}"))
+            if names:  # the base model and the adapters mixed, back to back on the same engine
+                results.append(run_engine(engine, spread[c], f"engine c={c}{label}"))
         engine.shutdown()
         del engine
         gc.collect()
     if not args.engine_only:
         url = args.url or _start_server(args.config, args.port)
         name = config.name
+        warmup = synthetic(args.warmup, "8", 4, vocab, 99, True, args.warmup)
         for c, wl in workloads.items():
             for p in dict.fromkeys(min(p, c) for p in args.client_processes):  # as given; at most one a stream
-                asyncio.run(run_http(url, args.route, name, synthetic(args.warmup, "8", 4, vocab, 99, True, args.warmup),
-                                     "warm-up"))
-                label = f"dag {args.route} c={c}" + (f" x{p} clients" if p > 1 else "")
-                results.append(run_load(url, args.route, name, wl, label, p))
+                asyncio.run(run_http(url, args.route, name, warmup, "warm-up"))
+                run = f"dag {args.route} c={c}" + (f" x{p} clients" if p > 1 else "")
+                results.append(run_load(url, args.route, name, wl, run, p))
+                if names:
+                    results.append(run_load(url, args.route, name, spread[c], run + label, p))
     print(table(results))
     device = torch.cuda.get_device_name() if torch.cuda.is_initialized() else config.device
     return {"command": "serve", "args": vars(args), "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
@@ -236,6 +250,8 @@ def main(argv=None) -> None:
     s.add_argument("--port", type=int, default=8123)
     s.add_argument("--route", choices=["triton", "openai"], default="triton")
     s.add_argument("--warmup", type=int, default=2, help="requests sent at once before each level, not counted")
+    s.add_argument("--adapters", type=int, default=0,
+                   help="also run each level with requests spread over the config's first N lora_adapters (/v1)")
     s.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
     s.add_argument("--num-requests", type=int, nargs="+", default=None,
                    help="per level, one count or one per --concurrency level (default: 2 x concurrency, >= 8)")

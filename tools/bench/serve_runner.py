@@ -129,7 +129,8 @@ async def _timed(url: str, route: str, model: str, wl: Workload, name: str,
             if wl.arrivals_s is not None:
                 await asyncio.sleep(max(0.0, wl.arrivals_s[i] - (time.perf_counter() - start)))
             async with gate:
-                timing = await _one(client, route, model, wl.prompts[i], wl)
+                own = wl.adapters[i] if wl.adapters and wl.adapters[i] else model  # /v1 routes by model name
+                timing = await _one(client, route, own, wl.prompts[i], wl)
             bar.update()
             return timing
 

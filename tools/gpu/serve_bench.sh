@@ -17,6 +17,9 @@
 #   stash      copy the carried .whl/<n> into $WHEELS (/tmp survives between calls on a warm machine)
 #   install    pip, offline, from $WHEELS: pydantic and py-spy; ray[serve] once both halves are there
 #   tokenizer  tools/gpu/make_tokenizer.py for the shape (the Tokenizer and Detokenizer load it)
+#   adapters   ADAPTERS (8) random adapters of rank LORA_RANK (16) registered in a copy of the config
+#              (tools/gpu/lora_config.py); the engine and dag steps after it then run every level twice,
+#              the base model and the adapters mixed, on /v1 only (a request names its adapter as model)
 #   engine     the engine alone on the same workloads, in a process of its own (no server running)
 #   dag        serve run, then the load generator over HTTP on both routes, in the order ROUTES names
 #              (default "triton openai"); stops the server after.
@@ -44,8 +47,11 @@ trap pack EXIT
 bin=$("$PY" -c 'import os, sys; print(os.path.dirname(sys.executable))')
 # The levels: LOW (one JSON per route) and HIGH (its own run, profiled), with their request counts.
 LOW=${LOW:-"1 64"} LOW_REQUESTS=${LOW_REQUESTS:-"8 128"} HIGH=${HIGH:-256} HIGH_REQUESTS=${HIGH_REQUESTS:-1024}
-bench=("$PY" tools/benchmark.py serve --config "$CONFIG" --input-len "${INPUT_LEN:-128}"
-       --output-len "${OUTPUT_LEN:-128}" --ignore-eos --warmup "${WARMUP:-2}")
+set_bench() {
+  bench=("$PY" tools/benchmark.py serve --config "$CONFIG" --input-len "${INPUT_LEN:-128}"
+         --output-len "${OUTPUT_LEN:-128}" --ignore-eos --warmup "${WARMUP:-2}" "$@")
+}
+set_bench
 
 stash() {
   mkdir -p "$WHEELS"
@@ -67,6 +73,15 @@ install() {
   "$PY" -m pip install -q --no-index --find-links "$WHEELS" --no-cache-dir "${want[@]}" 2>&1 | tail -20
   "$PY" -c 'import pydantic; print("pydantic", pydantic.__version__)'
   "$PY" -c 'import ray, fastapi, uvicorn; print("ray", ray.__version__, "fastapi", fastapi.__version__)' 2>&1 | tail -1
+}
+
+adapters() {  # ADAPTERS random adapters of rank LORA_RANK in a copy of the config; the steps after it use it
+  local dir=/tmp/llm-serve-lora
+  SERVE_CONFIG=$(timeout 300 "$PY" tools/gpu/lora_config.py "$CONFIG" "$dir" --count "${ADAPTERS:-8}" \
+                 --rank "${LORA_RANK:-16}" | tail -1)
+  CONFIG=$dir/config.yaml ROUTES=openai
+  set_bench --adapters "${ADAPTERS:-8}"
+  echo "adapters: $SERVE_CONFIG"
 }
 
 tokenizer() {

@@ -157,7 +157,7 @@ def serve_command(args) -> dict:
                               args.ignore_eos, c, args.request_rate, args.arrival)
                  for c, n in zip(args.concurrency, counts)}
     names = sorted(config.lora_adapters)[:args.adapters]
-    if len(names) < args.adapters or (names and args.route != "openai"):
+    if len(names) < args.adapters or (names and args.route != "openai" and not args.engine_only):
         raise SystemExit(f"--adapters {args.adapters}: the config registers {len(config.lora_adapters)} "
                          "(lora_adapters; tools/gpu/lora_config.py writes such a config); /v1 route only")
     spread = {c: replace(wl, adapters=[names[i % len(names)] for i in range(wl.num_requests)])

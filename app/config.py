@@ -113,6 +113,9 @@ class ServiceConfig(_Strict):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = EngineConfig.dtype
     load_format: Literal["auto", "dummy"] = Field(EngineConfig.load_format, description="dummy: random weights "
                                                   "from config.json alone, for speed runs without downloads")
+    quantization: Literal["fp8"] | None = Field(EngineConfig.quantization, description="backend torch: fp8 "
+                                                "quantizes the decoder layers' linears at load (E4M3, per-channel "
+                                                "weight and per-token activation scales)")
     device: str = EngineConfig.device
     max_batch_size: int = Field(EngineConfig.max_batch_size, ge=1)
     max_num_tokens: int = Field(EngineConfig.max_num_tokens, ge=1)
@@ -171,6 +174,9 @@ class ServiceConfig(_Strict):
     @model_validator(mode="after")
     def _keys_together(self) -> ServiceConfig:
         trtllm_only = [k for k in ("cuda_graph_config", "llm_args") if getattr(self, k)]
+        if self.quantization and self.backend != "torch":
+            raise ValueError("quantization is read by backend torch (a TensorRT-LLM engine is quantized when it is "
+                             "built: ModelOpt, or llm_args' quant_config for backend trtllm)")
         if self.speculative_config and self.backend == "triton":
             raise ValueError("speculative_config is read by backends torch and trtllm (a built TensorRT-LLM "
                              "engine's speculation is fixed when it is built)")

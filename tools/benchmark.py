@@ -47,7 +47,8 @@ def engine_command(args) -> dict:
                           batching_type=args.batching, enable_chunked_prefill=not args.no_chunked_prefill,
                           kv_cache_config={"max_tokens": args.kv_tokens or None, "tokens_per_block": args.block_size,
                                            "enable_block_reuse": not args.no_reuse},
-                          tensor_parallel_size=args.tp, pipeline_parallel_size=args.pp)
+                          tensor_parallel_size=args.tp, pipeline_parallel_size=args.pp,
+                          quantization=args.quantization)
     config.max_loras = max(config.max_loras, args.adapters)
     if args.adapters:  # slots as wide as the adapters, as a deployment sized for them would have
         config.max_lora_rank = args.lora_rank
@@ -239,6 +240,7 @@ def main(argv=None) -> None:
     e.add_argument("--batching", default="INFLIGHT", choices=["INFLIGHT", "STATIC"])
     e.add_argument("--adapters", type=int, default=0, help="also run with requests spread over K LoRA adapters")
     e.add_argument("--guided", action="store_true", help="also run with every request held to a JSON schema")
+    e.add_argument("--quantization", choices=["fp8"], default=None, help="the engine's quantization (EngineConfig)")
     e.add_argument("--lora-rank", type=int, default=8)
     e.add_argument("--compare", nargs="*", default=[], choices=["hf"])
     e.add_argument("--hf-sequential-requests", type=int, default=4,

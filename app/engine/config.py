@@ -83,6 +83,9 @@ class EngineConfig:
     # back (one CUDA device; requests with penalties, bad words or beams step without it).
     disable_overlap_scheduler: bool = False
     load_format: str = "auto"  # "dummy": random weights from config.json alone (speed runs without downloads)
+    # "fp8": the decoder layers' linears in FP8 E4M3 (per-channel weight scales, per-token activation
+    # scales, torch._scaled_mm), quantized from the 16-bit weights at load (fast FP8 matmuls: Hopper on).
+    quantization: str | None = None
     max_input_len: int | None = None  # longest prompt accepted (tokens); default: max_seq_len - 1
     max_output_len: int | None = None  # largest max_tokens accepted; default: what max_seq_len leaves
     # What one request may ask for, so that no single request can hold the engine (or every step's
@@ -118,6 +121,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.max_logprobs < 0:
             raise ValueError(f"max_logprobs must be at least 0, got {self.max_logprobs}")
+        if self.quantization not in (None, "fp8"):
+            raise ValueError(f"quantization must be fp8 or unset, got {self.quantization!r}")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be auto or dummy, got {self.load_format!r}")
         if self.max_seq_len is not None and self.max_seq_len < 2:

@@ -120,10 +120,10 @@ def read_model_config(model_dir: Path) -> ModelConfig:
 
 def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device, max_positions: int,
                load_format: str = "auto", layout: ParallelLayout = ParallelLayout(),
-               tp: TensorParallel = SINGLE) -> LlamaForCausalLM:
+               tp: TensorParallel = SINGLE, quantization: str | None = None) -> LlamaForCausalLM:
     """This rank's part of the model (all of it without parallelism). `load_format` "dummy" builds
     the shape from config.json alone with random weights (vLLM's load_format=dummy): for measuring
-    speed without downloading weights."""
+    speed without downloading weights. `quantization` "fp8" quantizes the 16-bit weights once loaded."""
     cfg = read_model_config(model_dir)
     with torch.device(device):
         model = LlamaForCausalLM(cfg, max_positions, dtype, select_kernels(device, dtype), layout, tp)
@@ -137,12 +137,13 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device, max_po
                     param.normal_(0.0, 0.02, generator=generator)
                 else:
                     param.zero_()
-        model.finish_loading()
+        model.finish_loading(quantization)
         return model.eval()
-    quantization = json.loads((model_dir / "config.json").read_text()).get("quantization_config")
-    if quantization:
-        raise ValueError(f"{model_dir}: a {quantization.get('quant_method', 'quantized')} checkpoint; this engine "
-                         "loads 16- and 32-bit floating-point weights only")
+    checkpoint_quantization = json.loads((model_dir / "config.json").read_text()).get("quantization_config")
+    if checkpoint_quantization:
+        raise ValueError(f"{model_dir}: a {checkpoint_quantization.get('quant_method', 'quantized')} checkpoint; "
+                         "this engine loads 16- and 32-bit floating-point weights (quantization: fp8 quantizes "
+                         "them at load)")
     with torch.no_grad():
         for param in model.parameters():  # whatever no checkpoint tensor overwrites stays NaN, and is found
             param.fill_(float("nan"))
@@ -155,7 +156,7 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device, max_po
     if unloaded:
         raise ValueError(f"{model_dir}: the checkpoint left {len(unloaded)} parameter(s) without weights: "
                          f"{', '.join(unloaded[:4])} (an unfinished download, or another architecture?)")
-    model.finish_loading()
+    model.finish_loading(quantization)
     return model.eval()
 
 

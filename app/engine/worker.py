@@ -62,7 +62,8 @@ class ModelShard:
         self.layout = dist.layout if dist else ParallelLayout()
         tp = dist.tp if dist else SINGLE
         self.dtype = resolve_dtype(config.dtype, device)
-        self.model = load_model(model_dir, self.dtype, device, max_seq_len, config.load_format, self.layout, tp)
+        self.model = load_model(model_dir, self.dtype, device, max_seq_len, config.load_format, self.layout, tp,
+                                config.quantization)
         self.block_size = config.kv_cache_config.tokens_per_block
         cfg = self.model.config
         shapes = self.model.lora_shapes(cfg)

@@ -15,6 +15,9 @@ from torch import nn
 from app.engine.models.kernels import TorchKernels
 from app.engine.parallel import SINGLE, TensorParallel
 
+FP8 = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8).max  # 448: a channel's (or token's) largest magnitude maps here
+
 
 class MergedLinear(nn.Module):
     """One matmul for several projections of the same input, e.g. q, k, v.
@@ -37,6 +40,7 @@ class MergedLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(sum(out_sizes), in_features, dtype=dtype), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(sum(out_sizes), dtype=dtype), requires_grad=False) if bias else None
         self.packed: torch.Tensor | None = None
+        self.weight_scale: torch.Tensor | None = None  # FP8 weights: [1, out] float32, one per output channel
         self.offsets = [sum(out_sizes[:i]) for i in range(len(out_sizes))]
         self.lora_key: tuple[int, str] | None = None  # (layer, path): where adapters attach
 
@@ -55,6 +59,14 @@ class MergedLinear(nn.Module):
         for shard, part in enumerate(tensor.split(whole, dim=0)):
             self.load_shard(name, part, shard)
 
+    def quantize_fp8(self) -> None:
+        """The weight in FP8 (E4M3) with one scale per output channel, computed on this rank's slice;
+        the 16-bit weight is dropped."""
+        weight = self.weight.float()
+        scale = weight.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / FP8_MAX
+        self.weight = nn.Parameter((weight / scale).to(FP8), requires_grad=False)
+        self.weight_scale = scale.t().contiguous()
+
     def pack_for_cpu(self) -> None:
         """Reorder the weight into oneDNN's blocked layout once (where TorchKernels.packs_linears)."""
         self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, 64)
@@ -62,7 +74,9 @@ class MergedLinear(nn.Module):
     def forward(self, x: torch.Tensor, lora=None) -> torch.Tensor:
         # A row linear's bias is added once, after the partial sums are reduced.
         bias = None if self.reduces else self.bias
-        if self.packed is not None:
+        if self.weight_scale is not None:
+            y = fp8_linear(x, self.weight, self.weight_scale, bias)
+        elif self.packed is not None:
             y = torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
         else:
             y = F.linear(x, self.weight, bias)
@@ -73,6 +87,17 @@ class MergedLinear(nn.Module):
             if self.bias is not None:
                 y = y + self.bias
         return y
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+               bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ weight.T with both in FP8: x quantized on the fly, one scale per token (dynamic, so an
+    outlier token costs only its own precision), then one scaled matmul that writes x's dtype."""
+    rows = x.reshape(-1, x.shape[-1])
+    scale = rows.abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-12) / FP8_MAX
+    y = torch._scaled_mm((rows.float() / scale).to(FP8), weight.t(), scale_a=scale, scale_b=weight_scale,
+                         bias=bias, out_dtype=x.dtype)
+    return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
 class Linear(MergedLinear):

@@ -223,11 +223,16 @@ class LlamaForCausalLM(nn.Module):
             if cfg.tie_word_embeddings and self.is_first:
                 self.lm_head.weight = self.embed_tokens.weight
 
-    def finish_loading(self) -> None:
-        """Weights are in place: prepare the kernels' layouts."""
+    def finish_loading(self, quantization: str | None = None) -> None:
+        """Weights are in place: quantize the decoder layers' linears where asked (`fp8`; the
+        lm_head and embeddings keep the model's dtype), then prepare the kernels' layouts."""
+        if quantization == "fp8":
+            for module in self.layers.modules():
+                if isinstance(module, MergedLinear):
+                    module.quantize_fp8()
         if self.kernels.packs_linears:
             for module in self.modules():
-                if isinstance(module, MergedLinear):
+                if isinstance(module, MergedLinear) and module.weight_scale is None:
                     module.pack_for_cpu()
 
     def graph_capturable(self) -> bool:

@@ -258,8 +258,8 @@ class _Connection:
                 self.urgent.clear()
                 batch, self.pending = self.pending, {}
                 done = [self.flushed.pop(key) for key in batch if key in self.flushed]
-                data = pickle.dumps(list(batch.items()), protocol=pickle.HIGHEST_PROTOCOL)
-                self.writer.write(HEADER.pack(len(data)) + data)
+                for data in _frames(list(batch.items())):
+                    self.writer.write(HEADER.pack(len(data)) + data)
                 await self.writer.drain()
                 self.last_write = time.monotonic()
                 for future in done:
@@ -290,6 +290,15 @@ class _Connection:
                            len(self.streams))
         for task in self.streams:
             task.cancel()
+
+
+def _frames(items: list) -> list[bytes]:
+    """The (key, item) pairs pickled into one frame, or into several where one would pass
+    MAX_FRAME_BYTES (many requests' logits at once: each request's are bounded far below it)."""
+    data = pickle.dumps(items, protocol=pickle.HIGHEST_PROTOCOL)
+    if len(data) <= MAX_FRAME_BYTES or len(items) == 1:
+        return [data]
+    return _frames(items[:len(items) // 2]) + _frames(items[len(items) // 2:])
 
 
 class Outbound:

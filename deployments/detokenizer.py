@@ -65,7 +65,8 @@ class DetokenizerDeployment:
         echoed = False
         async with aclosing(self.inbound.receive(self._engine_call(job))) as outputs:
             async for out in outputs:
-                chunk = TextChunk([], out.finished, len(job.prompt_token_ids), out.metrics)
+                chunk = TextChunk([], out.finished, len(job.prompt_token_ids), out.metrics,
+                                  context_logits=out.context_logits)
                 if job.echo is not None and not echoed:
                     chunk.prompt, echoed = self._prompt(job, out), True
                 for c in out.outputs:
@@ -85,7 +86,7 @@ class DetokenizerDeployment:
                         tokens, offsets[c.index] = self._token_texts(c.token_ids, c.top_logprobs,
                                                                      offsets.get(c.index, 0))
                     chunk.outputs.append(TextOutput(c.index, text, c.token_ids, c.logprobs, c.cumulative_logprob,
-                                                    finish, reason, tokens))
+                                                    finish, reason, tokens, c.generation_logits))
                 chunk.finished = chunk.finished or (bool(detoks) and all(d.stopped is not None for d in detoks.values()))
                 yield chunk
                 if chunk.finished:

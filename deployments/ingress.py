@@ -85,8 +85,13 @@ def _stopped(last: dict[int, TextOutput], num_prompt_tokens: int) -> TextChunk:
     return TextChunk(ended or [TextOutput(0, "", [], None, 0.0, FinishReason.ABORT.value)], True, num_prompt_tokens)
 
 
-def _sse(obj) -> bytes:
-    return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
+def _sse(obj) -> bytes:  # obj: a response, or one rendered already (triton.to_json)
+    return b"data: " + (obj if isinstance(obj, bytes) else json.dumps(obj, ensure_ascii=False).encode()) + b"\n\n"
+
+
+async def _json_off_loop(obj: dict) -> Response:
+    """A response carrying logits, rendered on a thread: the event loop serves others meanwhile."""
+    return Response(await asyncio.to_thread(triton.to_json, obj), media_type="application/json")
 
 
 class Guard:
@@ -228,8 +233,9 @@ class Ingress:
         return JSONResponse(body, status_code=status, headers=headers)
 
     async def _stream(self, job: GenerationJob, render, openai_style: bool, done_marker: bool = False,
-                      client_id: str | None = None):
-        """First chunk awaited before answering, so early errors are proper 4xx responses."""
+                      client_id: str | None = None, threaded: bool = False):
+        """First chunk awaited before answering, so early errors are proper 4xx responses. `threaded`:
+        chunks are rendered on a thread (large ones: logits)."""
         chunks = self._chunks(job, client_id)
         try:
             first = await anext(chunks)
@@ -242,9 +248,9 @@ class Ingress:
 
         async def events():
             try:
-                yield _sse(render(*first))
+                yield _sse(await asyncio.to_thread(render, *first) if threaded else render(*first))
                 async for chunk, ids in chunks:
-                    yield _sse(render(chunk, ids))
+                    yield _sse(await asyncio.to_thread(render, chunk, ids) if threaded else render(chunk, ids))
                 if done_marker:
                     yield b"data: [DONE]\n\n"
             except Exception as exc:  # noqa: BLE001 - the status is sent: report in the stream
@@ -330,7 +336,8 @@ class Ingress:
         except Exception as exc:  # noqa: BLE001
             return self._error(exc, openai_style=False)
         prompt_text = job.prompt or ""
-        return triton.generate_response(model, req, chunk, prompt_text, ids, final=True)
+        out = triton.generate_response(model, req, chunk, prompt_text, ids, final=True)
+        return await _json_off_loop(out) if triton.returns_logits(req) else out
 
     @api.post("/v2/models/{model}/generate_stream", openapi_extra=openapi.body(triton.TritonGenerateRequest))
     @api.post("/v2/models/{model}/versions/{version}/generate_stream",
@@ -343,9 +350,12 @@ class Ingress:
         if parsed is None:
             return StreamingResponse(iter([_sse(triton.stop_response(model))]), media_type="text/event-stream")
         job, req = parsed
-        return await self._stream(
-            job, lambda chunk, ids: triton.generate_response(model, req, chunk, "", ids, final=chunk.finished),
-            openai_style=False, client_id=req.request_id or None)
+        logits = triton.returns_logits(req)
+
+        def render(chunk, ids):
+            out = triton.generate_response(model, req, chunk, "", ids, final=chunk.finished)
+            return triton.to_json(out) if logits else out
+        return await self._stream(job, render, openai_style=False, client_id=req.request_id or None, threaded=logits)
 
     @api.post("/v2/models/{model}/infer", openapi_extra=openapi.body(triton.InferRequest))
     @api.post("/v2/models/{model}/versions/{version}/infer", openapi_extra=openapi.body(triton.InferRequest))
@@ -367,9 +377,11 @@ class Ingress:
         except Exception as exc:  # noqa: BLE001
             return self._error(exc, openai_style=False)
         response = triton.infer_response(model, request_id, generated, wanted)
-        encoded = triton_binary.encode_response(response, binary)
+        logits = any(o["name"] in triton.LOGITS_OUTPUTS for o in response["outputs"])
+        encoded = await asyncio.to_thread(triton_binary.encode_response, response, binary) if logits \
+            else triton_binary.encode_response(response, binary)
         if encoded is None:
-            return response
+            return await _json_off_loop(response) if logits else response
         content, json_length = encoded
         return Response(content, media_type="application/octet-stream",
                         headers={triton_binary.HEADER: str(json_length)})

@@ -84,7 +84,9 @@ def not_loaded(ref: AdapterRef) -> InvalidRequestError:
 
 def refuse_torch_only(params: SamplingParams, backend: str) -> None:
     """Fields only the torch engine implements so far: refused by name, not silently ignored."""
-    for name in ("top_logprobs", "logit_bias"):
+    # Logits: TensorRT-LLM has them (SamplingParams and the Triton model's inputs of these names),
+    # but neither our fakes nor the stop-sequence handling here carry their rows yet.
+    for name in ("top_logprobs", "logit_bias", "return_context_logits", "return_generation_logits"):
         if getattr(params, name):
             raise InvalidRequestError(name, f"is not supported by the {backend} backend yet")
     if params.prompt_logprobs is not None:  # 0 asks too: for the prompt tokens' own logprobs

@@ -52,8 +52,9 @@ class BlockManager:
     def _prefix_hits(self, seq: Sequence) -> list[int]:
         """Cached blocks matching the sequence's leading full blocks. The last token is never taken
         from the cache: the step that computes it yields the logits to sample from. For the same
-        reason a sequence that owes prompt logprobs takes none: they come from every prompt row's logits."""
-        if not self.enable_reuse or seq.needs_prompt_logprobs:
+        reason a sequence that owes prompt logprobs or context logits takes none: they come from every
+        prompt row's logits."""
+        if not self.enable_reuse or seq.needs_prompt_rows:
             return []
         hits, parent = [], _ROOT
         for i in range((seq.num_tokens - 1) // self.block_size):

@@ -7,6 +7,7 @@ import logging
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from app.engine.beam_search import BeamGroup
@@ -18,7 +19,7 @@ from app.engine.guided import GrammarCompiler
 from app.engine.lora_loader import LoRAAdapter
 from app.engine.model_loader import read_model_config, resolve_model_dir
 from app.engine.model_runner import LaunchedStep, ModelRunner
-from app.engine.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput
+from app.engine.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput, concat_rows
 from app.engine.sampling_params import SEED_LIMIT, SamplingParams, request_limits, validate_request
 from app.engine.scheduler import Scheduler, SchedulerLimits
 from app.engine.sequence import FinishReason, Sequence
@@ -36,7 +37,7 @@ class Request:
     beam: BeamGroup | None = None
     arrival_ns: int = 0
     aborted: bool = False
-    prompt_sent: bool = False  # its prompt logprobs went out (with its first output)
+    prompt_sent: bool = False  # its prompt logprobs and context logits went out (with its first output)
 
     @property
     def finished(self) -> bool:
@@ -48,10 +49,11 @@ class Request:
     def overlappable(self) -> bool:
         """Whether its steps can be queued before the last one is read back: sampling that looks
         at earlier token values (penalties, bad words) or beams need every token on the host;
-        prompt logprobs are read back with the step that computes them."""
+        prompt logprobs are read back with the step that computes them, and so are the raw logits
+        rows of requests that return them (simplest: their steps never overlap)."""
         p = self.params
-        return (self.beam is None and not p.needs_penalties and not p.bad_token_ids
-                and not self.seqs[0].needs_prompt_logprobs)
+        return (self.beam is None and not p.needs_penalties and not p.bad_token_ids and not p.returns_logits
+                and not self.seqs[0].needs_prompt_rows)
 
 
 class LLMEngine:
@@ -234,6 +236,8 @@ class LLMEngine:
             result = self.runner.execute(plan)
             for seq, logprob, top in result.prompt_logprobs:
                 seq.add_prompt_logprob(logprob, top)
+            for seq, rows in result.context_logits:
+                seq.add_context_logits(rows)
             return self._outputs(self.scheduler.update(plan, result.seqs, result.sampled))
         launched = None
         if not plan.is_empty:
@@ -283,8 +287,8 @@ class LLMEngine:
     def _output(self, request: Request) -> RequestOutput | None:
         if request.beam is not None:
             return self._beam_output(request)
-        if request.seqs[0].needs_prompt_logprobs and not request.finished:
-            return None  # the prompt logprobs come with the first output: the other outputs wait for them
+        if not request.seqs[0].prompt_done and not request.finished:
+            return None  # the prompt's logprobs and logits come with the first output: the other outputs wait
         completions = []
         for seq in request.seqs:
             upto = seq.num_emittable()
@@ -297,7 +301,9 @@ class LLMEngine:
                 cumulative_logprob=seq.cumulative_logprob,
                 finish_reason=seq.finish_reason.value if seq.finish_reason else None,
                 stop_reason=seq.stop_reason,
-                top_logprobs=seq.output_top_logprobs[seq.num_emitted:upto] if request.params.top_logprobs else None))
+                top_logprobs=seq.output_top_logprobs[seq.num_emitted:upto] if request.params.top_logprobs else None,
+                generation_logits=seq.take_generation_logits(seq.num_emitted, upto)
+                if request.params.return_generation_logits else None))
             seq.num_emitted = upto
         if not completions:
             return None
@@ -306,14 +312,18 @@ class LLMEngine:
                                                         self._metrics(request) if finished else None))
 
     def _with_prompt(self, request: Request, output: RequestOutput) -> RequestOutput:
-        """The request's first output after its prompt logprobs are all taken carries them."""
-        first = request.seqs[0]
-        if request.params.prompt_logprobs is None or request.prompt_sent or first.needs_prompt_logprobs:
+        """The request's first output after its prompt logprobs and logits are all taken carries
+        them (an output that ends a request before then, aborted, carries none)."""
+        first, p = request.seqs[0], request.params
+        if (p.prompt_logprobs is None and not p.return_context_logits) or request.prompt_sent or not first.prompt_done:
             return output
         request.prompt_sent = True
-        output.prompt_logprobs = [None, *first.prompt_logprobs]
-        if request.params.prompt_logprobs:
+        if p.prompt_logprobs is not None:
+            output.prompt_logprobs = [None, *first.prompt_logprobs]
+        if p.prompt_logprobs:
             output.prompt_top_logprobs = [None, *first.prompt_top_logprobs]
+        if p.return_context_logits:
+            output.context_logits, first.context_logits = np.concatenate(first.context_logits), []
         return output
 
     def _beam_output(self, request: Request) -> RequestOutput | None:
@@ -384,13 +394,15 @@ def merge_outputs(acc: RequestOutput | None, delta: RequestOutput) -> RequestOut
         if prev is None:
             by_index[c.index] = CompletionOutput(c.index, list(c.token_ids), list(c.logprobs) if c.logprobs is not None else None,
                                                  c.cumulative_logprob, c.finish_reason, c.stop_reason,
-                                                 list(c.top_logprobs) if c.top_logprobs is not None else None)
+                                                 list(c.top_logprobs) if c.top_logprobs is not None else None,
+                                                 c.generation_logits)
             continue
         prev.token_ids.extend(c.token_ids)
         if c.logprobs is not None:
             prev.logprobs = (prev.logprobs or []) + list(c.logprobs)
         if c.top_logprobs is not None:
             prev.top_logprobs = (prev.top_logprobs or []) + list(c.top_logprobs)
+        prev.generation_logits = concat_rows(prev.generation_logits, c.generation_logits)
         prev.cumulative_logprob = c.cumulative_logprob
         prev.finish_reason, prev.stop_reason = c.finish_reason, c.stop_reason
     acc.outputs = [by_index[i] for i in sorted(by_index)]
@@ -398,4 +410,5 @@ def merge_outputs(acc: RequestOutput | None, delta: RequestOutput) -> RequestOut
     acc.metrics = delta.metrics or acc.metrics
     acc.prompt_logprobs = acc.prompt_logprobs or delta.prompt_logprobs
     acc.prompt_top_logprobs = acc.prompt_top_logprobs or delta.prompt_top_logprobs
+    acc.context_logits = acc.context_logits if acc.context_logits is not None else delta.context_logits
     return acc

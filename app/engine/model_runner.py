@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from app.engine.config import EngineConfig
@@ -21,8 +22,9 @@ from app.engine.worker import ModelShard, RankCommand, StepInputs
 
 @dataclass
 class PromptRows:
-    """Logits rows of prompt positions whose logprobs a request asks for (prompt_logprobs): each
-    row's sequence and the prompt token after it, which the row scores, in prompt order."""
+    """Logits rows of prompt positions whose logprobs or logits a request asks for (prompt_logprobs,
+    return_context_logits): each row's sequence and the prompt token after it, which the row
+    scores, in prompt order. The prompt's last position is its sampling row, not one of these."""
     seqs: list[Sequence] = field(default_factory=list)
     targets: list[int] = field(default_factory=list)
     at: list[int] = field(default_factory=list)  # where each row is among its batch's logits
@@ -40,6 +42,8 @@ class StepResult:
     # prompt rows' (sequence, logprob of the next prompt token, likeliest (ids, logprobs) or None)
     prompt_logprobs: list[tuple[Sequence, float, tuple[list[int], list[float]] | None]] = \
         field(default_factory=list)
+    # return_context_logits: (sequence, its next prompt rows' raw logits, float32 [rows, vocab])
+    context_logits: list[tuple[Sequence, np.ndarray]] = field(default_factory=list)
 
 
 @dataclass
@@ -106,16 +110,49 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> StepResult:
-        """Run the step and read its tokens back, and the prompt logprobs its prefill rows owe."""
+        """Run the step and read its tokens back, and the prompt logprobs and raw logits rows its
+        requests owe."""
         logits, seqs, prompt = self._run(plan, None)
         if not prompt.seqs:
-            return StepResult(seqs, self.sampler(logits, seqs))
-        at = list_to_device(prompt.at, logits.device)
-        sampling = to_device(torch.ones(len(logits), dtype=torch.bool), logits.device)
-        sampling[at] = False
-        scored = prompt_logprobs(logits[at], prompt.targets, [s.params.prompt_logprobs for s in prompt.seqs])
-        return StepResult(seqs, self.sampler(logits[sampling], seqs),
-                          [(seq, value, top) for seq, (value, top) in zip(prompt.seqs, scored)])
+            result = StepResult(seqs, self.sampler(logits, seqs))
+        else:
+            at = list_to_device(prompt.at, logits.device)
+            sampling = to_device(torch.ones(len(logits), dtype=torch.bool), logits.device)
+            sampling[at] = False
+            scored = prompt_logprobs(logits[at], prompt.targets, [s.params.prompt_logprobs or 0 for s in prompt.seqs])
+            result = StepResult(seqs, self.sampler(logits[sampling], seqs),
+                                [(seq, value, top) for seq, (value, top) in zip(prompt.seqs, scored)])
+        if any(s.params.returns_logits for s in seqs + prompt.seqs):
+            self._take_logits(logits, prompt, result)
+        return result
+
+    @staticmethod
+    def _take_logits(logits: torch.Tensor, prompt: PromptRows, result: StepResult) -> None:
+        """The raw rows that requests asking for logits are owed, read back in one copy: context
+        rows (prompt rows, then the prompt's last row, which samples the first token) and each
+        sampling row's generation row (the same last row, for the first token)."""
+        scored = set(prompt.at)
+        sample_at = [i for i in range(len(logits)) if i not in scored]  # aligned with result.seqs
+        context: dict[Sequence, list[int]] = {}
+        for seq, i in zip(prompt.seqs, prompt.at):
+            if seq.params.return_context_logits:
+                context.setdefault(seq, []).append(i)
+        for seq, i in zip(result.seqs, sample_at):
+            if seq.samples_last_context_row:
+                context.setdefault(seq, []).append(i)
+        generation = [(row, i) for row, (seq, i) in enumerate(zip(result.seqs, sample_at))
+                      if seq.params.return_generation_logits]
+        wanted = [i for rows in context.values() for i in rows] + [i for _, i in generation]
+        if not wanted:
+            return
+        host = logits[list_to_device(wanted, logits.device)].float().cpu().numpy()
+        start = 0
+        for seq, rows in context.items():  # copies: a row kept never holds the step's others
+            result.context_logits.append((seq, host[start:start + len(rows)].copy()))
+            start += len(rows)
+        for row, _ in generation:
+            result.sampled.logits[row] = host[start].copy()
+            start += 1
 
     @torch.inference_mode()
     def launch(self, plan: SchedulerOutput, previous: LaunchedStep | None, sample: bool = True) -> LaunchedStep:
@@ -195,7 +232,7 @@ class ModelRunner:
                 lora_rows.setdefault(seq.adapter_id, []).extend(rows)
             if not item.is_decode:
                 chunks.append((len(tokens), item.num_tokens, end, seq.block_table[:-(-end // bs)]))
-            if seq.needs_prompt_logprobs:  # rows not scored yet (a recompute after preemption skips those that were)
+            if seq.needs_prompt_rows:  # rows not scored yet (a recompute after preemption skips those that were)
                 for p in range(max(start, len(seq.prompt_logprobs)), min(end, seq.num_prompt_tokens - 1)):
                     prompt.seqs.append(seq)
                     prompt.targets.append(seq.token_ids[p + 1])

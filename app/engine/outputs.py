@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 
 @dataclass
 class CompletionOutput:
@@ -16,6 +18,9 @@ class CompletionOutput:
     stop_reason: int | list[int] | None = None
     # Requests with top_logprobs: per token, (ids, logprobs) of the likeliest tokens at its position
     top_logprobs: list[tuple[list[int], list[float]]] | None = None
+    # Requests with return_generation_logits: float32 [tokens, vocab], the raw logits of each new
+    # token's position (a numpy array pickles as its raw bytes: no Python float per value)
+    generation_logits: np.ndarray | None = None
 
 
 @dataclass
@@ -59,6 +64,8 @@ class RequestOutput:
     # (ids, logprobs) of the likeliest tokens at its position (None for the first).
     prompt_logprobs: list[float | None] | None = None
     prompt_top_logprobs: list[tuple[list[int], list[float]] | None] | None = None
+    # Requests with return_context_logits, on their first output: float32 [prompt tokens, vocab]
+    context_logits: np.ndarray | None = None
     # Set when the request failed inside the engine: an InvalidRequestError where it was the request's
     # fault (a guide that did not compile), else a sentence.
     error: str | Exception | None = None
@@ -88,3 +95,10 @@ class EngineStats:
     def kv_cache_hit_rate(self) -> float:
         total = self.reused_blocks_total + self.new_blocks_total
         return self.reused_blocks_total / total if total else 0.0
+
+
+def concat_rows(a: np.ndarray | None, b: np.ndarray | None) -> np.ndarray | None:
+    """Two deltas' logits rows as one array (either may be None: no rows)."""
+    if a is None or b is None:
+        return a if b is None else b
+    return np.concatenate([a, b])

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from app.engine.guided import allowed_tokens, token_bitmask
@@ -24,6 +25,9 @@ class SamplerOutput:
     beam_candidates: dict[int, tuple[list[float], list[int]]] = field(default_factory=dict)
     # rows whose request asks for top_logprobs: (token ids, logprobs) of the likeliest, best first
     top_logprobs: dict[int, tuple[list[int], list[float]]] = field(default_factory=dict)
+    # rows whose request asks for return_generation_logits: the row's raw logits, float32 [vocab]
+    # (filled by ModelRunner.execute: such requests never step overlapped)
+    logits: dict[int, np.ndarray] = field(default_factory=dict)
 
 
 class DeviceSample:

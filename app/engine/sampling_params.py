@@ -14,6 +14,12 @@ SEED_LIMIT = 1 << 64  # torch generators take unsigned 64-bit seeds
 MAX_GUIDE_CHARS = 1 << 16  # a schema, regex or grammar; compiling one holds up the engine's loop
 MAX_LOGIT_BIAS = 300  # logit_bias entries per request (OpenAI's limit)
 LOGIT_BIAS_RANGE = 100.0  # each bias lies in [-100, 100] (OpenAI's range)
+# Raw logits a request may ask back (return_context_logits: prompt tokens x vocabulary, plus
+# return_generation_logits: max_tokens x outputs x vocabulary): 16 MiB of float32, which every
+# stage holds whole at some point and a JSON answer prints in ~3x the bytes. About 85 tokens of
+# SmolLM2's 49,152-token vocabulary, 32 of Llama 3's 128,256. A constant until the config schema
+# (app/config.py, EngineConfig) grows a field for it.
+MAX_LOGITS_FLOATS = 1 << 22
 
 
 @dataclass
@@ -54,10 +60,20 @@ class SamplingParams:
     beam_width: int = 1
     length_penalty: float = 1.0  # beam search: score / generated_length ** length_penalty
     guide: Guide | None = None  # guided decoding: the output must match it (app/engine/guided.py)
+    # TensorRT-LLM's names. The model's raw logits (before logit_bias, constraints and temperature,
+    # as logprobs are taken) as float32 rows of the vocabulary: of every prompt position, with the
+    # first output ([prompt tokens, vocab]; the last row is the one the first token is drawn from),
+    # and of each output token's position, with that token. Bounded by MAX_LOGITS_FLOATS.
+    return_context_logits: bool = False
+    return_generation_logits: bool = False
 
     @property
     def greedy(self) -> bool:
         return self.temperature < MIN_SAMPLING_TEMPERATURE or self.top_k == 1
+
+    @property
+    def returns_logits(self) -> bool:
+        return self.return_context_logits or self.return_generation_logits
 
     @property
     def needs_penalties(self) -> bool:
@@ -174,4 +190,27 @@ def validate_request(prompt_token_ids: list[int], p: SamplingParams, limits: Req
                f"the bias of token {token} is not in [-{LOGIT_BIAS_RANGE:g}, {LOGIT_BIAS_RANGE:g}]")
     _check_token_lists("stop_token_ids", p.stop_token_ids, limits)
     _check_token_lists("bad_token_ids", p.bad_token_ids, limits)
+    if p.returns_logits:
+        _check_logits(n_prompt, p, limits.vocab_size)
     return p
+
+
+def _check_logits(n_prompt: int, p: SamplingParams, vocab: int) -> None:
+    """Logits asked back stay within MAX_LOGITS_FLOATS; the refusal names the flag that passes it."""
+    _check(p.beam_width == 1 or not p.return_generation_logits, "return_generation_logits",
+           "does not combine with beam search")
+    context = n_prompt * vocab if p.return_context_logits else 0
+    generation = p.max_tokens * p.n * vocab if p.return_generation_logits else 0
+    if context + generation <= MAX_LOGITS_FLOATS:
+        return
+    limit = f"over the limit of {MAX_LOGITS_FLOATS} per request"
+    if p.return_context_logits and (context > MAX_LOGITS_FLOATS or not p.return_generation_logits):
+        raise InvalidRequestError("return_context_logits", f"a prompt of {n_prompt} tokens x a vocabulary of {vocab} "
+                                                           f"is {context} floats, {limit} (prompts of at most "
+                                                           f"{MAX_LOGITS_FLOATS // vocab} tokens)")
+    most = (MAX_LOGITS_FLOATS - context) // (p.n * vocab)
+    with_context = " + the context logits" if context else ""
+    raise InvalidRequestError("return_generation_logits", f"max_tokens {p.max_tokens} x {p.n} output(s) x a "
+                                                          f"vocabulary of {vocab}{with_context} is "
+                                                          f"{context + generation} floats, {limit} (max_tokens of "
+                                                          f"at most {most} here)")

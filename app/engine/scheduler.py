@@ -127,7 +127,7 @@ class Scheduler:
             for row, seq in live.items():
                 if seq.beam_group is None and seq not in drafted:  # beams take theirs as they advance, below
                     seq.resolve_pending(sampled.token_ids[row], sampled.logprobs[row],  # (or appends)
-                                        sampled.top_logprobs.get(row))
+                                        sampled.top_logprobs.get(row), sampled.logits.get(row))
         # Every computed token is known by now (placeholders lie past them). Hashed before any
         # sequence below goes, so that a finished one leaves its full blocks cached.
         for item in plan.scheduled:
@@ -176,7 +176,8 @@ class Scheduler:
                 self.proposer.missed(seq)
             taken = 0
             for row in rows[:accepted + 1]:
-                seq.append_token(sampled.token_ids[row], sampled.logprobs[row], sampled.top_logprobs.get(row))
+                seq.append_token(sampled.token_ids[row], sampled.logprobs[row], sampled.top_logprobs.get(row),
+                                 sampled.logits.get(row))
                 taken += 1
                 if seq.check_stop() is not None:
                     break

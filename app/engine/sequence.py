@@ -4,6 +4,7 @@ from __future__ import annotations
 import enum
 import time
 
+import numpy as np
 import torch
 
 from app.engine.sampling_params import SamplingParams
@@ -56,6 +57,12 @@ class Sequence:
         # prompt_logprobs requests, first output only: entry i scores prompt token i + 1 (row i's logits)
         self.prompt_logprobs: list[float] = []
         self.prompt_top_logprobs: list[tuple[list[int], list[float]] | None] = []
+        # return_context_logits, first output only: raw logits rows of the prompt, in order, taken
+        # with the prompt logprobs (which count the rows scored) and the last one with the first token
+        self.context_logits: list[np.ndarray] = []
+        self.num_context_rows = 0  # rows taken so far (those sent too)
+        # return_generation_logits: each output token's raw logits row (None once emitted)
+        self.generation_logits: list[np.ndarray | None] = []
         self.num_emitted = 0  # output tokens already handed to the caller
         self.finish_reason: FinishReason | None = None
         self.stop_reason: int | list[int] | None = None
@@ -97,20 +104,37 @@ class Sequence:
         return self.status is SequenceStatus.FINISHED
 
     @property
-    def needs_prompt_logprobs(self) -> bool:
-        """Whether prompt rows still owe their logprobs: the request asks, this is its first output
-        (the others share the prompt), and some are not taken yet (a preempted one keeps those taken)."""
-        return (self.params.prompt_logprobs is not None and self.index == 0
+    def needs_prompt_rows(self) -> bool:
+        """Whether prompt rows (every prompt position but the last, which samples) still owe their
+        logprobs or logits: the request asks (prompt_logprobs, return_context_logits), this is its
+        first output (the others share the prompt), and some are not taken yet (a preempted one
+        keeps those taken)."""
+        return ((self.params.prompt_logprobs is not None or self.params.return_context_logits) and self.index == 0
                 and len(self.prompt_logprobs) < self.num_prompt_tokens - 1)
+
+    @property
+    def samples_last_context_row(self) -> bool:
+        """Whether the context logits still want a row its next sampling row gives: the prompt's
+        last position (once it samples, every context row is taken)."""
+        return (self.params.return_context_logits and self.index == 0
+                and self.num_context_rows < self.num_prompt_tokens)
+
+    @property
+    def prompt_done(self) -> bool:
+        """Whether everything the first output carries about the prompt is taken."""
+        return not self.needs_prompt_rows and not self.samples_last_context_row
 
     # -- generation --------------------------------------------------------------------------------
     def append_token(self, token_id: int, logprob: float,
-                     top_logprobs: tuple[list[int], list[float]] | None = None) -> None:
+                     top_logprobs: tuple[list[int], list[float]] | None = None,
+                     logits: np.ndarray | None = None) -> None:
         if self.grammar is not None:
             self.grammar.accept(token_id)
         self.token_ids.append(token_id)
         self.output_logprobs.append(logprob)
         self.output_top_logprobs.append(top_logprobs)
+        if self.params.return_generation_logits:  # such requests never overlap: no placeholder comes here
+            self.generation_logits.append(logits)
         self.cumulative_logprob += logprob
         now = time.time_ns()
         self.first_token_ns = self.first_token_ns or now
@@ -121,6 +145,20 @@ class Sequence:
         self.prompt_logprobs.append(logprob)
         self.prompt_top_logprobs.append(top)
 
+    def add_context_logits(self, rows: np.ndarray) -> None:
+        """The prompt's next raw logits rows, [rows, vocab]."""
+        self.context_logits.append(rows)
+        self.num_context_rows += len(rows)
+
+    def take_generation_logits(self, start: int, end: int) -> np.ndarray | None:
+        """Output tokens [start, end)'s logits rows as one array (None for no tokens); the sequence
+        lets them go."""
+        if end <= start:
+            return None
+        rows = np.stack(self.generation_logits[start:end])
+        self.generation_logits[start:end] = [None] * (end - start)
+        return rows
+
     def append_pending(self, row: int) -> None:
         """The token sampled in row `row` of the step in flight: counted now, read back later."""
         self.token_ids.append(PENDING_TOKEN)
@@ -129,9 +167,10 @@ class Sequence:
         self.pending_row = row
 
     def resolve_pending(self, token_id: int, logprob: float,
-                        top_logprobs: tuple[list[int], list[float]] | None = None) -> None:
+                        top_logprobs: tuple[list[int], list[float]] | None = None,
+                        logits: np.ndarray | None = None) -> None:
         self.drop_pending()
-        self.append_token(token_id, logprob, top_logprobs)
+        self.append_token(token_id, logprob, top_logprobs, logits)
 
     def drop_pending(self) -> None:
         if self.pending_row is not None:
@@ -165,6 +204,8 @@ class Sequence:
             self.token_ids.pop()
             self.cumulative_logprob -= self.output_logprobs.pop()
             self.output_top_logprobs.pop()
+            if self.params.return_generation_logits:
+                self.generation_logits.pop()
 
     def _finish(self, reason: FinishReason, stop_reason) -> FinishReason:
         self.finish_reason = reason
@@ -195,6 +236,7 @@ class Sequence:
         child.output_top_logprobs = list(self.output_top_logprobs)
         child.cumulative_logprob = self.cumulative_logprob
         child.prompt_logprobs, child.prompt_top_logprobs = self.prompt_logprobs, self.prompt_top_logprobs
+        child.num_context_rows = self.num_context_rows  # a beam's prompt rows are its root's
         child.num_computed_tokens = self.num_computed_tokens
         child.block_hashes = list(self.block_hashes)
         child.status = self.status

@@ -4,8 +4,10 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from app.engine.errors import InvalidRequestError
-from app.engine.outputs import RequestMetrics
+from app.engine.outputs import RequestMetrics, concat_rows
 from app.engine.sampling_params import SamplingParams
 
 
@@ -91,6 +93,7 @@ class TextOutput:
     finish_reason: str | None = None
     stop_reason: int | str | list[int] | None = None
     tokens: list[TokenText] | None = None  # with logprobs: one per token id
+    generation_logits: np.ndarray | None = None  # return_generation_logits: float32 [token ids, vocab]
 
 
 @dataclass
@@ -113,6 +116,7 @@ class TextChunk:
     num_prompt_tokens: int
     metrics: RequestMetrics | None = None
     prompt: PromptText | None = None
+    context_logits: np.ndarray | None = None  # return_context_logits, first chunk: float32 [prompt tokens, vocab]
 
 
 def merge_chunks(a: TextChunk, b: TextChunk) -> TextChunk:
@@ -128,7 +132,8 @@ def merge_chunks(a: TextChunk, b: TextChunk) -> TextChunk:
             prev.logprobs = (prev.logprobs or []) + o.logprobs
         if o.tokens is not None:
             prev.tokens = (prev.tokens or []) + o.tokens
+        prev.generation_logits = concat_rows(prev.generation_logits, o.generation_logits)
         prev.cumulative_logprob = o.cumulative_logprob
         prev.finish_reason, prev.stop_reason = o.finish_reason, o.stop_reason
     return TextChunk([by_index[i] for i in sorted(by_index)], b.finished, b.num_prompt_tokens, b.metrics or a.metrics,
-                     a.prompt or b.prompt)
+                     a.prompt or b.prompt, a.context_logits if a.context_logits is not None else b.context_logits)

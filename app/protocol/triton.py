@@ -4,12 +4,18 @@ Model names: the configured one and `ensemble` / `tensorrt_llm_bls` take text (t
 return text_output; `tensorrt_llm` takes text the llmapi way (text_input + sampling_param_*) or
 token ids the inflight_batcher way (input_ids + request_output_len) and then returns output_ids.
 Fields may sit at the top level or under "parameters" (Triton merges both).
+
+Logits (return_context_logits, return_generation_logits) stay float32 numpy arrays up to here;
+to_json prints them, /infer's binary tensors send their bytes.
 """
 from __future__ import annotations
 
+import json
+import math
 import uuid
 from typing import Any, Literal
 
+import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from app.engine.errors import InvalidRequestError
@@ -20,6 +26,7 @@ from app.protocol.messages import AdapterRef, GenerationJob, TextChunk
 TEXT_MODELS = ("ensemble", "tensorrt_llm_bls")
 IDS_MODEL = "tensorrt_llm"
 MODEL_VERSION = "1"
+LOGITS_OUTPUTS = ("context_logits", "generation_logits")  # float32 numpy arrays in a response
 
 # Alternative spellings used by the seeds' models -> our field name.
 ALIASES = {
@@ -78,6 +85,8 @@ class TritonGenerateRequest(BaseModel):
     exclude_input_in_output: bool | None = None
     return_log_probs: bool | None = None
     return_perf_metrics: bool | None = None
+    return_context_logits: bool | None = None  # context_logits: [prompt tokens][vocab]
+    return_generation_logits: bool | None = None  # generation_logits: [outputs][output tokens][vocab]
     request_id: str | None = Field(None, max_length=256)  # as KServe's id; the app holds those in flight
     lora_task_id: int | str | None = None
     lora_path: str | None = None
@@ -169,7 +178,8 @@ def parse_generate(model: str, body: Any, served_name: str,
         stop_token_ids=req.stop_token_ids or [], bad_token_ids=req.bad_token_ids or [],
         logprobs=bool(req.return_log_probs), n=n,
         beam_width=req.beam_width or 1, ignore_eos=bool(req.ignore_eos), length_penalty=req.length_penalty if req.length_penalty is not None else 1.0,
-        guide=_guide(req))
+        guide=_guide(req), return_context_logits=bool(req.return_context_logits),
+        return_generation_logits=bool(req.return_generation_logits))
     # The engine's id is ours alone, whatever the client sent: the client's id (req.request_id) is
     # for stop requests, and may be reused as soon as its stream ends, while the engine may still
     # be aborting the request that had it.
@@ -231,6 +241,11 @@ def generate_response(model: str, req: TritonGenerateRequest, chunk: TextChunk, 
     if reason is not None:
         out["finish_reason"] = reason
         out["stop_reason"] = chunk.outputs[0].stop_reason
+    if req.return_context_logits and chunk.context_logits is not None:  # with the first chunk
+        out["context_logits"] = chunk.context_logits
+    if req.return_generation_logits:  # each output's rows (none where it has no new token)
+        out["generation_logits"] = [o.generation_logits if o.generation_logits is not None else []
+                                    for o in chunk.outputs]
     if req.return_perf_metrics and chunk.metrics is not None:
         m = chunk.metrics
         out.update(kv_cache_reused_block=m.kv_cache_reused_blocks, kv_cache_hit_rate=m.kv_cache_hit_rate,
@@ -241,6 +256,48 @@ def generate_response(model: str, req: TritonGenerateRequest, chunk: TextChunk, 
                    acceptance_rate=m.acceptance_rate, total_accepted_draft_tokens=m.total_accepted_draft_tokens,
                    total_draft_tokens=m.total_draft_tokens)
     return out
+
+
+def returns_logits(req: TritonGenerateRequest) -> bool:
+    return bool(req.return_context_logits or req.return_generation_logits)
+
+
+def to_json(obj: Any) -> bytes:
+    """JSON of a response whose logits are numpy arrays, as compact as json.dumps(ensure_ascii=False,
+    separators=(",", ":")). A float32 prints as %.9g, its exact round trip (~12 bytes, where a
+    double's repr takes ~20, in half json.dumps's time), and a non-finite one as null. Rows are
+    printed one at a time: a thread rendering a large answer lets the event loop run between rows."""
+    parts: list[str] = []
+    _json_parts(obj, parts.append)
+    return "".join(parts).encode()
+
+
+def _json_parts(obj: Any, out) -> None:
+    if isinstance(obj, np.ndarray):
+        if obj.ndim > 1:
+            out("[")
+            for i, row in enumerate(obj):
+                out("," if i else "")
+                _json_parts(row, out)
+            out("]")
+        elif np.isfinite(obj).all():
+            out("[" + ",".join(map("%.9g".__mod__, obj.tolist())) + "]")
+        else:
+            out(json.dumps([float("%.9g" % v) if math.isfinite(v) else None for v in obj.tolist()]))
+    elif isinstance(obj, dict):
+        out("{")
+        for i, (key, value) in enumerate(obj.items()):
+            out(("," if i else "") + json.dumps(str(key), ensure_ascii=False) + ":")
+            _json_parts(value, out)
+        out("}")
+    elif isinstance(obj, (list, tuple)) and any(isinstance(v, (dict, list, tuple, np.ndarray)) for v in obj):
+        out("[")
+        for i, value in enumerate(obj):
+            out("," if i else "")
+            _json_parts(value, out)
+        out("]")
+    else:
+        out(json.dumps(obj, ensure_ascii=False, separators=(",", ":")))
 
 
 def stop_response(model: str) -> dict:
@@ -343,6 +400,8 @@ def _flatten(data: list) -> list:
 
 
 def _tensor(name: str, value) -> dict:
+    if name in LOGITS_OUTPUTS:
+        return _logits_tensor(name, value)
     data = value if isinstance(value, list) else [value]
     sample = data[0] if data else 0.0
     if isinstance(sample, list):
@@ -353,6 +412,21 @@ def _tensor(name: str, value) -> dict:
     datatype = ("BYTES" if isinstance(sample, str) else "BOOL" if isinstance(sample, bool)
                 else "INT64" if isinstance(sample, int) else "FP32")
     return {"name": name, "datatype": datatype, "shape": shape, "data": data}
+
+
+def _logits_tensor(name: str, value: np.ndarray | list) -> dict:
+    """TensorRT-LLM's shapes with the batch of one: context_logits [1, prompt tokens, vocab],
+    generation_logits [1, outputs, output tokens, vocab] (shorter outputs padded with zeros)."""
+    if name == "context_logits":
+        data = value[None]
+    else:
+        rows = [r for r in value if len(r)]
+        vocab = rows[0].shape[1] if rows else 0
+        data = np.zeros((1, len(value), max(map(len, value), default=0), vocab), np.float32)
+        for i, r in enumerate(value):
+            if len(r):  # an output with no new token has no rows: []
+                data[0, i, :len(r)] = r
+    return {"name": name, "datatype": "FP32", "shape": list(data.shape), "data": data}
 
 
 def infer_response(model: str, request_id: str | None, generated: dict, wanted: list[str] | None) -> dict:

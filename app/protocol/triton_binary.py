@@ -18,7 +18,7 @@ import numpy as np
 
 from app.engine.errors import InvalidRequestError
 from app.protocol.body import check_value, parse_body
-from app.protocol.triton import element_count
+from app.protocol.triton import element_count, to_json
 
 HEADER = "Inference-Header-Content-Length"
 # Fixed-size datatypes as numpy reads them; BF16 is the upper half of an FP32, widened on decode.
@@ -148,12 +148,16 @@ def encode_response(response: dict, binary: BinaryOutputs) -> tuple[bytes, int] 
             parts.append(raw)
     if not parts:
         return None
-    header = json.dumps(response, ensure_ascii=False, separators=(",", ":")).encode()
+    if any(isinstance(o.get("data"), np.ndarray) for o in response["outputs"]):  # logits asked as JSON
+        header = to_json(response)
+    else:
+        header = json.dumps(response, ensure_ascii=False, separators=(",", ":")).encode()
     return header + b"".join(parts), len(header)
 
 
-def _encode(data: list, datatype: str) -> bytes:
-    """The datatypes infer_response writes: BYTES, BOOL, INT64, FP32."""
+def _encode(data: list | np.ndarray, datatype: str) -> bytes:
+    """The datatypes infer_response writes: BYTES, BOOL, INT64, FP32 (logits: a float32 array, sent
+    as its bytes)."""
     if datatype == "BYTES":
         return b"".join(struct.pack("<I", len(b)) + b for b in (s.encode() for s in data))
     return np.asarray(data, dtype=DTYPES[datatype]).tobytes()

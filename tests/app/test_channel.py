@@ -212,3 +212,27 @@ def test_a_slow_reader_costs_one_merged_item_per_request():
     first, held, rest = run(main())
     assert isinstance(held, Delta) and held.finished
     assert [t for d in [first, *rest] for t in d.tokens] == list(range(500)) and len(rest) == 1
+
+
+def test_a_batch_over_the_frame_limit_goes_as_several_frames(monkeypatch):
+    """Many requests' large items (logits) at once: each frame stays within MAX_FRAME_BYTES,
+    which the consumer enforces, and every stream still arrives whole."""
+    import app.channel as channel
+    import numpy as np
+
+    monkeypatch.setattr(channel, "MAX_FRAME_BYTES", 3000)
+    frames = channel._frames([(k, np.zeros(256, np.float32)) for k in range(8)])  # 1 KiB each
+    assert len(frames) > 1 and all(len(f) <= 3000 for f in frames)
+
+    async def big(i):
+        yield Delta([i, np.ones(256, np.float32)], True)
+
+    async def main():
+        inbound, outbound = Inbound("127.0.0.1", merge), Outbound(merge, max_interval_ms=50)
+
+        async def one(i):
+            return [d async for d in inbound.receive(lambda to: Call(outbound.stream(to, big(i))))]
+        return await asyncio.gather(*(one(i) for i in range(8)))
+
+    for i, got in enumerate(run(main())):
+        assert got[0].tokens[0] == i and got[0].tokens[1].sum() == 256

@@ -8,8 +8,8 @@ import tritonclient.http as httpclient
 from tritonclient.http._utils import _get_inference_request
 
 from app.engine import InvalidRequestError
-from app.protocol.triton import infer_to_generate_body, infer_response
-from app.protocol.triton_binary import HEADER, decode_request, encode_response
+from app.protocol.triton import infer_to_generate_body, infer_response, to_json
+from app.protocol.triton_binary import HEADER, BinaryOutputs, decode_request, encode_response
 
 HI = "Hi, é"
 
@@ -71,6 +71,34 @@ def test_response_reads_back_with_tritonclient():
     json_only = infer_response("ensemble", None, generated, None)
     assert encode_response(json_only, decode_request(b'{"inputs": []}', None)[1]) is None
     assert json_only["outputs"][0]["data"] == [HI]
+
+
+def test_logits_go_as_fp32_tensors_in_tensorrt_llms_shapes():
+    """context_logits [1, prompt, vocab] and generation_logits [1, outputs, tokens, vocab] (a shorter
+    output padded with zeros, one with no new token all zeros): their bytes as binary, nested JSON
+    otherwise, read back whole."""
+    context = np.arange(12, dtype=np.float32).reshape(3, 4) / 7
+    gen = [np.full((2, 4), 0.5, np.float32), np.full((1, 4), -1e-7, np.float32), []]
+    generated = {"text_output": HI, "context_logits": context, "generation_logits": gen}
+    _, binary = decode_request(b'{"inputs": [], "parameters": {"binary_data_output": true}}', None)
+    content, json_length = encode_response(infer_response("ensemble", None, generated, None), binary)
+    assert len(content) - json_length == 4 * (12 + 3 * 2 * 4) + 4 + len(HI.encode())  # raw float32
+    result = httpclient.InferResult.from_response_body(content, header_length=json_length)
+    assert result.as_numpy("context_logits").dtype == np.float32
+    np.testing.assert_array_equal(result.as_numpy("context_logits"), context[None])
+    expected = np.zeros((1, 3, 2, 4), np.float32)
+    expected[0, 0], expected[0, 1, :1] = gen[0], gen[1]
+    np.testing.assert_array_equal(result.as_numpy("generation_logits"), expected)
+    as_json = infer_response("ensemble", None, generated, ["context_logits"])  # JSON: printed by to_json
+    assert encode_response(as_json, decode_request(b'{"inputs": []}', None)[1]) is None
+    (output,) = json.loads(to_json(as_json))["outputs"]
+    assert output["shape"] == [1, 3, 4] and output["datatype"] == "FP32"
+    assert np.array(output["data"], np.float32).tolist() == context[None].tolist()  # exact round trip
+    mixed = BinaryOutputs(False, {"generation_logits": True})  # the context as JSON in the header
+    content, json_length = encode_response(infer_response("ensemble", None, generated, None), mixed)
+    result = httpclient.InferResult.from_response_body(content, header_length=json_length)
+    np.testing.assert_array_equal(result.as_numpy("context_logits"), context[None])
+    np.testing.assert_array_equal(result.as_numpy("generation_logits"), expected)
 
 
 def test_bf16_and_fp16_inputs():

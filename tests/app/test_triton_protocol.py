@@ -1,8 +1,13 @@
 """Triton generate bodies: spellings, batches of one, parameters, and refusals naming the field."""
+import json
+import math
+
+import numpy as np
 import pytest
 
 from app.engine import InvalidRequestError
-from app.protocol.triton import parse_generate, parse_stop
+from app.protocol.messages import TextChunk, TextOutput
+from app.protocol.triton import generate_response, parse_generate, parse_stop, to_json
 
 
 def _parse(body, model="ensemble"):
@@ -74,3 +79,29 @@ def test_a_generated_request_id_is_bounded():
     with pytest.raises(InvalidRequestError) as err:
         _parse({"text_input": "hi", "request_id": "x" * 257})
     assert err.value.field == "request_id"
+
+
+def test_logits_flags_reach_the_engine_and_their_rows_come_back_shaped():
+    job, req = _parse({"text_input": "hi", "return_context_logits": [[True]], "parameters":
+                       {"return_generation_logits": True}})
+    assert job.params.return_context_logits and job.params.return_generation_logits
+    context = np.linspace(-3, 3, 8, dtype=np.float32).reshape(2, 4)
+    chunk = TextChunk([TextOutput(0, "a", [5, 6], None, 0.0, "length", None, None, context[::-1].copy())], True, 2,
+                      context_logits=context)
+    out = json.loads(to_json(generate_response("ensemble", req, chunk, "hi", [1, 2], final=True)))
+    assert np.array(out["context_logits"], np.float32).tolist() == context.tolist()  # [prompt][vocab], exact
+    # [outputs][tokens][vocab]
+    assert np.array(out["generation_logits"], np.float32).tolist() == [context[::-1].tolist()]
+    assert out["text_output"] == "a" and out["sequence_end"] is True
+    plain, _ = _parse({"text_input": "hi"})
+    assert not plain.params.return_context_logits and not plain.params.return_generation_logits
+
+
+def test_to_json_prints_like_json_dumps_and_non_finite_values_as_null():
+    obj = {"a": "é", "b": [1, 2.5, None], "c": [{"d": np.array([1.0, 0.1, -2e-9], np.float32)}]}
+    assert json.loads(to_json(obj))["b"] == [1, 2.5, None]
+    assert json.loads(to_json({"a": "é", "b": [1, 2.5, None]})) == {"a": "é", "b": [1, 2.5, None]}
+    assert to_json({"a": "é"}) == json.dumps({"a": "é"}, ensure_ascii=False, separators=(",", ":")).encode()
+    values = json.loads(to_json(obj))["c"][0]["d"]
+    assert np.array(values, np.float32).tolist() == np.array([1.0, 0.1, -2e-9], np.float32).tolist()
+    assert json.loads(to_json(np.array([1.0, math.inf, math.nan], np.float32))) == [1.0, None, None]

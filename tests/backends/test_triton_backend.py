@@ -150,6 +150,10 @@ def test_every_field_becomes_its_input_tensor(backend):
     assert backend.inputs(PROMPT, SamplingParams(temperature=0.0))["runtime_top_k"][0, 0] == 1
     with pytest.raises(InvalidRequestError, match="min_p"):
         backend.inputs(PROMPT, SamplingParams(min_p=0.1))
+    for name in ("return_context_logits", "return_generation_logits"):  # refused by name, not ignored
+        with pytest.raises(InvalidRequestError, match="not supported by the triton backend") as err:
+            backend.inputs(PROMPT, SamplingParams(**{name: True}))
+        assert err.value.field == name
 
 
 def test_greedy_stream_matches_transformers(backend, smollm2_hf):

@@ -66,6 +66,10 @@ def test_every_sampling_field_maps(backend):
     assert backend.sampling_params(SamplingParams()).stop_token_ids == (backend.eos_ids[1:] or None)
     with pytest.raises(InvalidRequestError, match="bad_words"):
         backend.sampling_params(SamplingParams(bad_token_ids=[[1, 2]]))
+    for name in ("return_context_logits", "return_generation_logits"):  # refused by name, not ignored
+        with pytest.raises(InvalidRequestError, match="not supported by the trtllm backend") as err:
+            backend.sampling_params(SamplingParams(**{name: True}))
+        assert err.value.field == name
 
 
 @pytest.mark.parametrize("guide, field, value", [

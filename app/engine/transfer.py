@@ -1,9 +1,9 @@
-"""Host-to-device copies that never wait for the device.
+"""Host-to-device copies that never wait for the device on purpose: non-blocking, so that a step's
+inputs are queued behind the step already on the device (the overlap scheduler) instead of waiting
+for it; `torch.tensor(..., device=cuda)` would.
 
-A copy from pageable host memory goes through the driver's staging buffer, and the driver may make
-it wait for the stream: with a step already queued (the overlap scheduler), the host then waits for
-that step, which overlap exists to avoid. A copy from pinned memory is a DMA queued in stream order
-and returns at once; torch's caching host allocator keeps the pinned block until the copy has run.
+Pinning the host tensors first (a true DMA in stream order) was measured on an H200 and not kept:
+no clear gain, and a slower arrival-heavy run (docs/PERFORMANCE.md, guided decoding).
 """
 from __future__ import annotations
 
@@ -11,11 +11,8 @@ import torch
 
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    if device.type != "cuda":
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device, non_blocking=True)
 
 
 def list_to_device(values: list, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """A host list on the device (`torch.tensor(..., device=cuda)` would wait for the stream)."""
     return to_device(torch.tensor(values, dtype=dtype), device)

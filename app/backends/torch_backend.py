@@ -1,6 +1,7 @@
 """The portable PyTorch engine (app/engine) behind the engine protocol: the default backend."""
 from __future__ import annotations
 
+import asyncio
 import os
 
 import torch
@@ -22,6 +23,7 @@ class TorchBackend:
         self.adapters = AdapterTable()
         for name, path in adapters.items():
             self.adapters.register(name, path)
+        self._loading: dict[str, asyncio.Future] = {}  # adapter name -> its load in flight
         if config.runs_engine_process:  # a broken adapter stops start-up there, with its reason
             self.engine = EngineProcess(config.engine_config(), adapters, config.step_timeout_s, threads)
             return
@@ -43,17 +45,28 @@ class TorchBackend:
     async def _load(self, adapter: AdapterRef) -> None:
         """Bind the name (at once, before any await: two first uses cannot race to two paths) and
         load it where the engine does not hold it: its first use, or after the host cache evicted it,
-        from the path it was bound to."""
+        from the path it was bound to. Concurrent first uses share one load (each would read and
+        fold the adapter again, and re-registering drops its device copy); a caller that goes away
+        does not cancel it for the others."""
         new = adapter.name not in self.adapters.paths
         _, path = self.adapters.resolve(adapter)
         if self.engine.has_lora(adapter.name):
             return
+        loading = self._loading.get(adapter.name)
+        if loading is None:
+            loading = self._loading[adapter.name] = asyncio.ensure_future(self.engine.add_lora(adapter.name, path))
+            loading.add_done_callback(lambda done: self._loaded(adapter.name, done))
         try:
-            await self.engine.add_lora(adapter.name, path)
+            await asyncio.shield(loading)
         except Exception:
             if new:
                 self.adapters.unregister(adapter.name)
             raise
+
+    def _loaded(self, name: str, done: asyncio.Future) -> None:
+        self._loading.pop(name, None)
+        if not done.cancelled():
+            done.exception()  # retrieved here: every caller may have gone before it ended
 
     async def add_lora(self, name: str, path: str) -> None:
         await self._load(AdapterRef(name, path, "lora_adapters"))

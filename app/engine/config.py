@@ -94,6 +94,10 @@ class EngineConfig:
     max_stop_words: int = 64  # stop sequences, and bad-word sequences, per request
     max_stop_word_len: int = 256  # tokens per stop or bad word (characters, for words sent as text)
     max_logprobs: int = 20  # top_logprobs per output token (OpenAI's own cap); 0 refuses them
+    # Raw logits one request may ask back (return_context_logits: prompt x vocab; plus
+    # return_generation_logits: max_tokens x outputs x vocab): 16 MiB of float32, which every stage
+    # holds whole at some point; about 85 tokens of SmolLM2's vocabulary, 32 of Llama 3's.
+    max_logits_floats: int = 1 << 22
     # Speculative decoding (None: off). Greedy requests without logit processors speculate; their
     # steps are not overlapped, since a guess needs the last token on the host.
     speculative_config: SpeculativeConfig | None = None
@@ -119,6 +123,8 @@ class EngineConfig:
                      "max_stop_words", "max_stop_word_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.max_logits_floats < 0:
+            raise ValueError(f"max_logits_floats must be at least 0, got {self.max_logits_floats}")
         if self.max_logprobs < 0:
             raise ValueError(f"max_logprobs must be at least 0, got {self.max_logprobs}")
         if self.quantization not in (None, "fp8"):

@@ -14,12 +14,6 @@ SEED_LIMIT = 1 << 64  # torch generators take unsigned 64-bit seeds
 MAX_GUIDE_CHARS = 1 << 16  # a schema, regex or grammar; compiling one holds up the engine's loop
 MAX_LOGIT_BIAS = 300  # logit_bias entries per request (OpenAI's limit)
 LOGIT_BIAS_RANGE = 100.0  # each bias lies in [-100, 100] (OpenAI's range)
-# Raw logits a request may ask back (return_context_logits: prompt tokens x vocabulary, plus
-# return_generation_logits: max_tokens x outputs x vocabulary): 16 MiB of float32, which every
-# stage holds whole at some point and a JSON answer prints in ~3x the bytes. About 85 tokens of
-# SmolLM2's 49,152-token vocabulary, 32 of Llama 3's 128,256. A constant until the config schema
-# (app/config.py, EngineConfig) grows a field for it.
-MAX_LOGITS_FLOATS = 1 << 22
 
 
 @dataclass
@@ -63,7 +57,7 @@ class SamplingParams:
     # TensorRT-LLM's names. The model's raw logits (before logit_bias, constraints and temperature,
     # as logprobs are taken) as float32 rows of the vocabulary: of every prompt position, with the
     # first output ([prompt tokens, vocab]; the last row is the one the first token is drawn from),
-    # and of each output token's position, with that token. Bounded by MAX_LOGITS_FLOATS.
+    # and of each output token's position, with that token. Bounded by max_logits_floats.
     return_context_logits: bool = False
     return_generation_logits: bool = False
 
@@ -96,6 +90,7 @@ class RequestLimits:
     max_stop_words: int
     max_stop_word_len: int
     max_logprobs: int
+    max_logits_floats: int
 
 
 def request_limits(config: EngineConfig, vocab_size: int, max_seq_len: int, max_cache_tokens: int) -> RequestLimits:
@@ -105,7 +100,8 @@ def request_limits(config: EngineConfig, vocab_size: int, max_seq_len: int, max_
         max_num_tokens=config.max_num_tokens, chunked_prefill=config.enable_chunked_prefill,
         max_cache_tokens=max_cache_tokens, max_input_len=config.max_input_len, max_output_len=config.max_output_len,
         max_return_sequences=config.max_return_sequences, max_stop_words=config.max_stop_words,
-        max_stop_word_len=config.max_stop_word_len, max_logprobs=config.max_logprobs)
+        max_stop_word_len=config.max_stop_word_len, max_logprobs=config.max_logprobs,
+        max_logits_floats=config.max_logits_floats)
 
 
 def _check(ok: bool, field_name: str, message: str) -> None:
@@ -191,24 +187,24 @@ def validate_request(prompt_token_ids: list[int], p: SamplingParams, limits: Req
     _check_token_lists("stop_token_ids", p.stop_token_ids, limits)
     _check_token_lists("bad_token_ids", p.bad_token_ids, limits)
     if p.returns_logits:
-        _check_logits(n_prompt, p, limits.vocab_size)
+        _check_logits(n_prompt, p, limits.vocab_size, limits.max_logits_floats)
     return p
 
 
-def _check_logits(n_prompt: int, p: SamplingParams, vocab: int) -> None:
-    """Logits asked back stay within MAX_LOGITS_FLOATS; the refusal names the flag that passes it."""
+def _check_logits(n_prompt: int, p: SamplingParams, vocab: int, most_floats: int) -> None:
+    """Logits asked back stay within max_logits_floats; the refusal names the flag that passes it."""
     _check(p.beam_width == 1 or not p.return_generation_logits, "return_generation_logits",
            "does not combine with beam search")
     context = n_prompt * vocab if p.return_context_logits else 0
     generation = p.max_tokens * p.n * vocab if p.return_generation_logits else 0
-    if context + generation <= MAX_LOGITS_FLOATS:
+    if context + generation <= most_floats:
         return
-    limit = f"over the limit of {MAX_LOGITS_FLOATS} per request"
-    if p.return_context_logits and (context > MAX_LOGITS_FLOATS or not p.return_generation_logits):
+    limit = f"over max_logits_floats ({most_floats}) per request"
+    if p.return_context_logits and (context > most_floats or not p.return_generation_logits):
         raise InvalidRequestError("return_context_logits", f"a prompt of {n_prompt} tokens x a vocabulary of {vocab} "
                                                            f"is {context} floats, {limit} (prompts of at most "
-                                                           f"{MAX_LOGITS_FLOATS // vocab} tokens)")
-    most = (MAX_LOGITS_FLOATS - context) // (p.n * vocab)
+                                                           f"{most_floats // vocab} tokens)")
+    most = (most_floats - context) // (p.n * vocab)
     with_context = " + the context logits" if context else ""
     raise InvalidRequestError("return_generation_logits", f"max_tokens {p.max_tokens} x {p.n} output(s) x a "
                                                           f"vocabulary of {vocab}{with_context} is "

@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from app.engine import InvalidRequestError, SamplingParams, SchedulerPolicy
-from app.engine import sampling_params as sampling_params_module
 from app.engine.llm_engine import merge_outputs
 from tests.conftest import make_engine, random_prompts, run_staggered
 
@@ -147,11 +146,10 @@ def test_beams_return_context_logits_only(tiny_llama_dir, tiny_hf):
     assert err.value.field == "return_generation_logits"
 
 
-def test_over_the_limit_is_refused_by_name(tiny_llama_dir, monkeypatch):
-    """MAX_LOGITS_FLOATS bounds prompt x vocab (context) plus max_tokens x n x vocab (generation)."""
-    engine = make_engine(tiny_llama_dir)
-    monkeypatch.setattr(sampling_params_module, "MAX_LOGITS_FLOATS", 10 * VOCAB)
-    with pytest.raises(InvalidRequestError, match=f"limit of {10 * VOCAB}.*at most 10 tokens") as err:
+def test_over_the_limit_is_refused_by_name(tiny_llama_dir):
+    """max_logits_floats bounds prompt x vocab (context) plus max_tokens x n x vocab (generation)."""
+    engine = make_engine(tiny_llama_dir, max_logits_floats=10 * VOCAB)
+    with pytest.raises(InvalidRequestError, match=rf"max_logits_floats \({10 * VOCAB}\).*at most 10 tokens") as err:
         engine.add_request("c", [5] * 11, SamplingParams(max_tokens=1, return_context_logits=True))
     assert err.value.field == "return_context_logits"
     with pytest.raises(InvalidRequestError, match="max_tokens of at most 2 here") as err:

@@ -9,11 +9,12 @@ import pytest
 import torch
 import tritonclient.http as httpclient
 
-from app.engine.sampling_params import MAX_LOGITS_FLOATS
+from app.engine.config import EngineConfig
 
 VOCAB = 49152
 PROMPT_IDS = [504, 3575, 282, 4649, 314]  # SmolLM2 tokens of "The capital of France is"
 MAX_TOKENS = 4
+MAX_LOGITS_FLOATS = EngineConfig.max_logits_floats  # the server runs with the default
 BOTH = {"return_context_logits": True, "return_generation_logits": True, "exclude_input_in_output": True}
 
 
@@ -98,4 +99,4 @@ def test_infer_binary_returns_fp32_tensors(server, answer):
 def test_over_the_limit_is_refused_by_name(http, body, field):
     r = http.post("/v2/models/tensorrt_llm/generate", json=body)
     assert r.status_code == 400 and r.json()["error"].startswith(f"{field}: ")
-    assert f"limit of {MAX_LOGITS_FLOATS}" in r.json()["error"]
+    assert f"max_logits_floats ({MAX_LOGITS_FLOATS})" in r.json()["error"]

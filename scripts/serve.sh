@@ -15,6 +15,15 @@ if [[ -n "${RAY_ADDRESS:-}" ]]; then
     exec .venv/bin/serve run serve_config.yaml "$@"
 fi
 
+# What an idle app costs a CPU engine on the same host (docs/PERFORMANCE.md). Serve's controller
+# runs its control loop every 0.1 s by default, with three GCS calls each time: every 0.5 s cuts
+# what the controller and the GCS use while idle by more than half, and replacing a dead replica
+# takes about 1 s longer (autoscaling delays are kept in wall-clock time). Replicas and the proxy
+# hand their cached Serve metrics to Ray every 0.1 s by default; Ray exports metrics every 10 s
+# (1 s at the least), so once a second loses nothing.
+export RAY_SERVE_CONTROL_LOOP_INTERVAL_S=${RAY_SERVE_CONTROL_LOOP_INTERVAL_S:-0.5}
+export RAY_SERVE_METRICS_EXPORT_INTERVAL_MS=${RAY_SERVE_METRICS_EXPORT_INTERVAL_MS:-1000}
+
 # `ray start` turns --node-ip-address=127.0.0.1 into the host's address, and its GCS, raylet and
 # agents then listen on every interface. Ray's switch for one-node clusters (meant for macOS and
 # Windows) keeps the node on 127.0.0.1, where they listen on loopback.

@@ -87,6 +87,7 @@ class LLMEngine:
         self.overlap = (not config.disable_overlap_scheduler and self.runner.device.type == "cuda"
                         and self.runner.dist is None)
         self._in_flight: LaunchedStep | None = None
+        self._read_back: list[RequestOutput] = []  # outputs of a step read back while the next one failed
         self._stepping: set[str] = set()  # requests of the step being computed
         self.failed_steps = 0  # in a row
 
@@ -204,7 +205,9 @@ class LLMEngine:
             if self.failed_steps >= MAX_FAILED_STEPS:
                 raise
             logger.exception("engine step failed; failing the requests it computed")
-            return failed + self._fail_stepping(f"the engine step computing this request failed ({type(exc).__name__})")
+            read_back, self._read_back = self._read_back, []
+            return failed + read_back + self._fail_stepping(
+                f"the engine step computing this request failed ({type(exc).__name__})")
         if self._stepping:  # a step that computed something succeeded
             self.failed_steps = 0
         return failed + outputs
@@ -248,7 +251,9 @@ class LLMEngine:
         outputs = self._finish(self._take_in_flight()) if self._in_flight is not None else []
         if launched is not None:  # after the read back: a sequence that ended on it takes no placeholder
             if launched.sample is None:
+                self._read_back = outputs  # step k's outputs, built already: a failure here must not lose them
                 self.runner.sample(launched)
+                self._read_back = []
             self.scheduler.update(plan, launched.seqs, None)
             self._in_flight = launched
         return outputs

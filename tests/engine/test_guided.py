@@ -218,3 +218,32 @@ def test_guided_requests_ride_overlapped_steps(engine, chat):
     assert texts[3].startswith('{"name": "')  # sampled, it may run to max_tokens inside the object
     assert all(texts[i].startswith(("yes, because ", "no, because ")) for i in (1, 4))
     assert engine.stats().used_blocks == 0
+
+
+def test_a_failed_guided_sampling_keeps_the_outputs_read_back_before_it(engine, chat):
+    """Overlapped, a guided step's sampling is queued after the previous step is read back: when it
+    fails, the outputs of that read back still go out (a request finished there ends normally)
+    and only the requests of the failed step carry the error."""
+    _, prompt = chat
+    engine.overlap = True
+    calls, sample = [], engine.runner.sample
+
+    def failing(launched):
+        calls.append(1)
+        if len(calls) == 3:  # reading back the step in which "plain" took its second and last token
+            raise RuntimeError("mask copy failed")
+        return sample(launched)
+    engine.runner.sample = failing
+    try:
+        engine.add_request("plain", prompt("Hello"), SamplingParams(max_tokens=2, temperature=0.0))
+        engine.add_request("guided", prompt("Describe a cat as JSON."),
+                           SamplingParams(max_tokens=30, temperature=0.0, guide=Guide("json")))
+        finished = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    finished[out.request_id] = out
+    finally:
+        engine.runner.sample, engine.overlap = sample, False
+    assert finished["plain"].error is None and finished["plain"].outputs[0].finish_reason == "length"
+    assert "failed" in finished["guided"].error and len(calls) >= 3

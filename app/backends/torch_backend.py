@@ -55,18 +55,16 @@ class TorchBackend:
         loading = self._loading.get(adapter.name)
         if loading is None:
             loading = self._loading[adapter.name] = asyncio.ensure_future(self.engine.add_lora(adapter.name, path))
-            loading.add_done_callback(lambda done: self._loaded(adapter.name, done))
-        try:
-            await asyncio.shield(loading)
-        except Exception:
-            if new:
-                self.adapters.unregister(adapter.name)
-            raise
+            loading.add_done_callback(lambda done: self._loaded(adapter.name, path, new, done))
+        await asyncio.shield(loading)
 
-    def _loaded(self, name: str, done: asyncio.Future) -> None:
+    def _loaded(self, name: str, path: str, bound_by_it: bool, done: asyncio.Future) -> None:
+        """A load ended (before any of its callers resumes). One that failed unbinds the name its
+        first use bound, whoever still waits, so that the name can be sent again with a good path."""
         self._loading.pop(name, None)
-        if not done.cancelled():
-            done.exception()  # retrieved here: every caller may have gone before it ended
+        failed = done.cancelled() or done.exception() is not None  # retrieved: every caller may be gone
+        if failed and bound_by_it and self.adapters.paths.get(name) == path:
+            self.adapters.unregister(name)
 
     async def add_lora(self, name: str, path: str) -> None:
         await self._load(AdapterRef(name, path, "lora_adapters"))

@@ -96,7 +96,9 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     rows = x.reshape(-1, x.shape[-1])
     scale = rows.abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-12) / FP8_MAX
     y = torch._scaled_mm((rows.float() / scale).to(FP8), weight.t(), scale_a=scale, scale_b=weight_scale,
-                         bias=bias, out_dtype=x.dtype)
+                         out_dtype=x.dtype)
+    if bias is not None:  # added here: _scaled_mm takes no bias with a float32 output
+        y = y + bias
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 

@@ -230,6 +230,8 @@ class LlamaForCausalLM(nn.Module):
             for module in self.layers.modules():
                 if isinstance(module, MergedLinear):
                     module.quantize_fp8()
+            if torch.cuda.is_available():  # the 16-bit weights' memory back, before the KV pool is sized
+                torch.cuda.empty_cache()
         if self.kernels.packs_linears:
             for module in self.modules():
                 if isinstance(module, MergedLinear) and module.weight_scale is None:

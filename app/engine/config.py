@@ -61,6 +61,10 @@ class SpeculativeConfig:
                 raise ValueError(f"speculative_config.{name} must be an integer in [1, {most}], got {value!r}")
 
 
+# A request's logits cross the DAG in one data-plane frame (app/channel.py: at most 256 MiB).
+MAX_LOGITS_FLOATS = 1 << 24
+
+
 @dataclass
 class EngineConfig:
     model: str = "smollm2-135m"  # an alias of an embedded model, an HF directory, or a .gguf file
@@ -123,8 +127,8 @@ class EngineConfig:
                      "max_stop_words", "max_stop_word_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
-        if self.max_logits_floats < 0:
-            raise ValueError(f"max_logits_floats must be at least 0, got {self.max_logits_floats}")
+        if not 0 <= self.max_logits_floats <= MAX_LOGITS_FLOATS:
+            raise ValueError(f"max_logits_floats must be in [0, {MAX_LOGITS_FLOATS}], got {self.max_logits_floats}")
         if self.max_logprobs < 0:
             raise ValueError(f"max_logprobs must be at least 0, got {self.max_logprobs}")
         if self.quantization not in (None, "fp8"):

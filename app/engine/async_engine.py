@@ -157,9 +157,10 @@ class AsyncLLMEngine:
     def shutdown(self) -> None:
         self._commands.put((Command.STOP, None))
         self._thread.join(timeout=30)
-        self._loader.shutdown(wait=False, cancel_futures=True)
         # Streams still open and adapters still loading end now, rather than wait for a loop that is gone.
+        # Dead first: a load whose preparation is cancelled below must find it so (not a bare cancel).
         self._fail_everything(EngineDeadError("the engine was shut down"))
+        self._loader.shutdown(wait=False, cancel_futures=True)
         if not self._thread.is_alive():  # the loop thread is the only one that touches the engine
             self.engine.shutdown()
 

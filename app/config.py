@@ -148,8 +148,9 @@ class ServiceConfig(_Strict):
                                 "words, one request may send")
     max_stop_word_len: int = Field(EngineConfig.max_stop_word_len, ge=1, description="longest stop or bad word "
                                    "(characters as text, tokens as ids)")
-    max_logits_floats: int = Field(EngineConfig.max_logits_floats, ge=0, le=MAX_LOGITS_FLOATS, description="raw logits one request may "
-                                   "ask back (return_context_logits, return_generation_logits), in float32 values")
+    max_logits_floats: int = Field(EngineConfig.max_logits_floats, ge=0, le=MAX_LOGITS_FLOATS,
+                                   description="raw logits one request may ask back (return_context_logits, "
+                                               "return_generation_logits), in float32 values")
     max_logprobs: int = Field(EngineConfig.max_logprobs, ge=0, description="most top_logprobs (likeliest tokens "
                               "returned with each output token) a request may ask for")
     api_key: str | None = Field(None, description="clients send 'Authorization: Bearer <key>' on every route "

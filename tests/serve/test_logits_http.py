@@ -14,7 +14,7 @@ from app.engine.config import EngineConfig
 VOCAB = 49152
 PROMPT_IDS = [504, 3575, 282, 4649, 314]  # SmolLM2 tokens of "The capital of France is"
 MAX_TOKENS = 4
-MAX_LOGITS_FLOATS = EngineConfig.max_logits_floats  # the server runs with the default
+DEFAULT_LOGITS_FLOATS = EngineConfig.max_logits_floats  # the server runs with the default
 BOTH = {"return_context_logits": True, "return_generation_logits": True, "exclude_input_in_output": True}
 
 
@@ -92,11 +92,11 @@ def test_infer_binary_returns_fp32_tensors(server, answer):
 
 
 @pytest.mark.parametrize("body, field", [
-    ({"input_ids": [300] * (MAX_LOGITS_FLOATS // VOCAB + 1), "max_tokens": 1, "return_context_logits": True},
+    ({"input_ids": [300] * (DEFAULT_LOGITS_FLOATS // VOCAB + 1), "max_tokens": 1, "return_context_logits": True},
      "return_context_logits"),
-    ({"input_ids": PROMPT_IDS, "max_tokens": MAX_LOGITS_FLOATS // VOCAB, **BOTH}, "return_generation_logits"),
+    ({"input_ids": PROMPT_IDS, "max_tokens": DEFAULT_LOGITS_FLOATS // VOCAB, **BOTH}, "return_generation_logits"),
 ])
 def test_over_the_limit_is_refused_by_name(http, body, field):
     r = http.post("/v2/models/tensorrt_llm/generate", json=body)
     assert r.status_code == 400 and r.json()["error"].startswith(f"{field}: ")
-    assert f"max_logits_floats ({MAX_LOGITS_FLOATS})" in r.json()["error"]
+    assert f"max_logits_floats ({DEFAULT_LOGITS_FLOATS})" in r.json()["error"]

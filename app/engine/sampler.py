@@ -7,6 +7,7 @@ from the raw logits, before any of it (SamplingParams says why).
 """
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -28,6 +29,9 @@ class SamplerOutput:
     # rows whose request asks for return_generation_logits: the row's raw logits, float32 [vocab]
     # (filled by ModelRunner.execute: such requests never step overlapped)
     logits: dict[int, np.ndarray] = field(default_factory=dict)
+    # rows of a seeded sequence that samples several rows (guesses): its generator's state after the
+    # row's draw, for the scheduler to rewind to once it knows how many rows it took (speculative.py)
+    generator_states: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 class DeviceSample:
@@ -37,8 +41,10 @@ class DeviceSample:
     logprobs and token ids), for the rows that ask for top_logprobs; it travels the same way."""
 
     def __init__(self, token_ids: torch.Tensor, logprobs: torch.Tensor,
-                 top: tuple[list[int], list[int], torch.Tensor, torch.Tensor] | None = None):
+                 top: tuple[list[int], list[int], torch.Tensor, torch.Tensor] | None = None,
+                 generator_states: dict[int, torch.Tensor] | None = None):
         self.token_ids = token_ids  # [rows] on the device: the next step's inputs can be read from here
+        self.generator_states = generator_states or {}  # host tensors already (SamplerOutput's)
         self._ready = None
         self._top_rows, self._top_counts, *top_tensors = top or ([], [])
         tensors = [token_ids, logprobs, *top_tensors]
@@ -55,7 +61,7 @@ class DeviceSample:
         if self._ready is not None:
             self._ready.synchronize()
         tokens, logprobs, *top = (t.tolist() for t in self._host)
-        out = SamplerOutput(tokens, logprobs)
+        out = SamplerOutput(tokens, logprobs, generator_states=self.generator_states)
         for row, count, values, ids in zip(self._top_rows, self._top_counts, *top):
             out.top_logprobs[row] = (ids[:count], values[:count])
         return out
@@ -88,6 +94,7 @@ class Sampler:
         top_logprobs of the rows that ask (top-k over those rows alone: no cost for the others).
         Host lists reach the device by non-blocking copies only, so nothing here waits for the step."""
         device = logits.device
+        states = {}
         greedy = [i for i, seq in enumerate(seqs) if seq.beam_group is None and seq.params.greedy]
         sample = [i for i, seq in enumerate(seqs) if seq.beam_group is None and not seq.params.greedy]
         if len(greedy) == len(seqs):
@@ -99,15 +106,16 @@ class Sampler:
                 tokens[rows] = logits[rows].argmax(dim=-1)
             if sample:
                 rows = list_to_device(sample, device)
-                tokens[rows] = self._sample(logits[rows], [seqs[i] for i in sample])
+                tokens[rows], drawn = self._sample(logits[rows], [seqs[i] for i in sample])
+                states = {sample[i]: state for i, state in drawn.items()}
         raw_logprobs = torch.log_softmax(raw, dim=-1)
         chosen = raw_logprobs.gather(1, tokens[:, None]).squeeze(1)
         asking = [i for i, seq in enumerate(seqs) if seq.params.top_logprobs]
         if not asking:
-            return DeviceSample(tokens, chosen)
+            return DeviceSample(tokens, chosen, generator_states=states)
         counts = [seqs[i].params.top_logprobs for i in asking]
         values, ids = raw_logprobs[list_to_device(asking, device)].topk(max(counts), dim=-1)
-        return DeviceSample(tokens, chosen, (asking, counts, values, ids))
+        return DeviceSample(tokens, chosen, (asking, counts, values, ids), states)
 
     def _apply_constraints(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """The logits the draw sees: a copy where anything changes them, so that `logits` stays raw."""
@@ -146,7 +154,10 @@ class Sampler:
                 logits[i, banned] = float("-inf")
         return logits
 
-    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """A draw from each row's distribution, and for the rows of a seeded sequence that has
+        several (guesses) its generator's state after the row's draw: reading it is host-only
+        (a CUDA generator's seed and offset live on the host), nothing waits for the device."""
         device = logits.device
         temps = list_to_device([s.params.temperature for s in seqs], device)
         logits = logits / temps[:, None]
@@ -157,10 +168,18 @@ class Sampler:
             logits = _truncate_sorted(logits, seqs)
         probs = logits.softmax(dim=-1)
         noise = torch.empty_like(probs)
+        rows_of = Counter(seqs)
+        states = {}
         for i, seq in enumerate(seqs):
             noise[i].exponential_(generator=seq.generator or self.generator)
+            if seq.generator is not None and rows_of[seq] > 1:
+                states[i] = seq.generator.get_state()
+        if index is not None:
+            # Drawn in vocabulary order, then sorted with the probabilities: a row's token never
+            # depends on whether another row in the batch truncates (which sorts every row).
+            noise = noise.gather(1, index)
         choice = (probs / noise).argmax(dim=-1)
-        return choice if index is None else index.gather(1, choice[:, None]).squeeze(1)
+        return (choice if index is None else index.gather(1, choice[:, None]).squeeze(1)), states
 
 
 def prompt_logprobs(logits: torch.Tensor, targets: list[int], counts: list[int]

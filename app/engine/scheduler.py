@@ -151,11 +151,12 @@ class Scheduler:
         return list(dict.fromkeys(live.values()))  # a guessing sequence had a row per guess
 
     def _take_guesses(self, plan: SchedulerOutput, live: dict[int, Sequence], sampled: SamplerOutput) -> set[Sequence]:
-        """Sequences that guessed take the guesses the model confirmed: row i's greedy token is the
-        model's choice after guess i (row 0: after the last known token), so the guesses up to the
-        first that differs from it are right, and that row's token follows them. Each token goes
-        through the stop checks as it is appended; the cache holds the rows whose input was right.
-        Returns the sequences (their rows are done with)."""
+        """Sequences that guessed take the guesses the model confirmed: row i's token is the
+        model's choice after guess i (row 0: after the last known token; greedy or drawn, as plain
+        decoding would), so the guesses up to the first that differs from it are right, and that
+        row's token follows them (NGramProposer.confirmed). Each token goes through the stop checks
+        as it is appended; the cache holds the rows whose input was right. A seeded generator goes
+        back to its state after the last row taken. Returns the sequences (their rows are done with)."""
         first_row = {}
         for row, seq in live.items():
             first_row.setdefault(seq, row)
@@ -167,9 +168,7 @@ class Scheduler:
             drafted.add(seq)
             known = item.start + 1  # tokens whose inputs were known, the last one included
             rows = range(first_row[seq], first_row[seq] + len(item.draft) + 1)
-            accepted = 0
-            while accepted < len(item.draft) and item.draft[accepted] == sampled.token_ids[rows[accepted]]:
-                accepted += 1
+            accepted = self.proposer.confirmed(item.draft, [sampled.token_ids[row] for row in rows])
             if accepted:
                 seq.guess_misses = 0
             else:
@@ -181,6 +180,9 @@ class Scheduler:
                 taken += 1
                 if seq.check_stop() is not None:
                     break
+            state = sampled.generator_states.get(rows[taken - 1])
+            if state is not None:  # the rows dropped drew noise that the next positions draw again
+                seq.generator.set_state(state)
             seq.draft_tokens += len(item.draft)
             seq.accepted_draft_tokens += min(accepted, taken)  # not those an end cut off
             # Rows past the first wrong guess wrote KV the next steps overwrite: not computed.

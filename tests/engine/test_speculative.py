@@ -1,10 +1,16 @@
 """N-gram speculation (prompt lookup): guesses from the sequence's own past, checked by the model in
 the step that computes its last token. Greedy outputs are token for token those of plain decoding
-and of transformers, in fewer steps, whatever ends them (max_tokens, a stop sequence, the end id)."""
+and of transformers, in fewer steps, whatever ends them (max_tokens, a stop sequence, the end id).
+Sampled outputs keep the model's distribution (measured on the acceptance rule), and seeded ones
+are plain decoding's, draw for draw."""
+import numpy as np
 import pytest
+import torch
 
 from app.engine import SamplingParams
 from app.engine.config import SpeculativeConfig
+from app.engine.sampler import Sampler
+from app.engine.sequence import Sequence
 from app.engine.speculative import NGramProposer
 from tests.conftest import hf_greedy, make_engine
 from tests.engine.test_lora import adapter_dirs, expected  # noqa: F401 - fixtures
@@ -23,6 +29,49 @@ def test_the_proposer_takes_the_latest_match_of_the_longest_tail():
     assert propose([1, 2, 3], 10) == [] and propose([4], 10) == []
     # Token 256 is the bytes 00 01 00 00: a byte match across token boundaries is no match.
     assert propose([256, 1, 0, 0, 1, 0], 10) == [0, 1, 0]
+
+
+def _target(logits: list[float], p: SamplingParams) -> np.ndarray:
+    """The distribution plain sampling draws from, written out: temperature, top-k, top-p, min-p."""
+    scaled = np.asarray(logits) / p.temperature
+    order = np.argsort(-scaled)
+    probs = np.exp(scaled[order] - scaled[order].max())
+    probs[p.top_k:] = 0
+    probs /= probs.sum()
+    probs[np.cumsum(probs) - probs > p.top_p] = 0
+    probs /= probs.sum()
+    probs[probs < p.min_p * probs[0]] = 0
+    target = np.zeros(len(scaled))
+    target[order] = probs / probs.sum()
+    return target
+
+
+def test_sampled_guesses_keep_the_target_distribution():
+    """The acceptance rule over the real sampler, N sequences x 3 rows of fixed logits (8 tokens,
+    each row cut by top-k, top-p and min-p) and guesses [1, 4]. The first token taken must follow
+    row 0's distribution p0, the second (only after guess 1 stood) p1, the bonus token after both
+    stood p2. A rule that drew a rejected row from p instead of p without the guess would put
+    p0(1) + (1 - p0(1)) p0(1) on token 1 (total variation p0(1)(1 - p0(1)) = 0.25 from p0); one
+    that accepted every guess, 0.53."""
+    params = SamplingParams(temperature=0.8, top_k=6, top_p=0.9, min_p=0.3)
+    logits = [[2.0, 1.9, 0.9, 0.3, -0.2, -0.4, 1.0, -3.0],
+              [0.1, 0.5, -1.0, 0.2, 1.4, 0.0, -2.5, 1.2],
+              [-1.0, 0.0, 1.2, 1.1, -0.3, 0.6, 0.4, -0.8]]
+    draft, n = [1, 4], 30000
+    seqs = [Sequence(i, "r", 0, [0], params, frozenset(), None) for i in range(n)]
+    rows = [seq for seq in seqs for _ in range(3)]
+    tokens = Sampler(seed=0, device=torch.device("cpu"))(torch.tensor(logits).repeat(n, 1), rows).token_ids
+    taken = [tokens[3 * i:3 * i + NGramProposer.confirmed(draft, tokens[3 * i:3 * i + 3]) + 1] for i in range(n)]
+    targets = [_target(row, params) for row in logits]
+    assert [int((t > 0).sum()) for t in targets] == [2, 3, 4]  # truncation bites in every row
+
+    def distance(sample: list[int], target: np.ndarray) -> float:
+        return 0.5 * np.abs(np.bincount(sample, minlength=len(target)) / len(sample) - target).sum()
+    assert all(t[:-1] == draft[:len(t) - 1] for t in taken)  # a token taken after a row is its guess
+    for position, target in enumerate(targets):
+        sample = [t[position] for t in taken if len(t) > position]  # given the guesses before it stood
+        assert distance(sample, target) < 0.03, (position, len(sample))
+    assert sum(len(t) > 1 for t in taken) / n == pytest.approx(targets[0][draft[0]], abs=0.015)
 
 
 def spoiled_answers(prompts, outputs, vocab: int = 256):
@@ -56,6 +105,57 @@ def test_confirmed_and_rejected_guesses_under_overlap_give_plain_outputs(tiny_ll
     drafted = sum(o.metrics.total_draft_tokens for o in guessed)
     assert 0 < sum(o.metrics.total_accepted_draft_tokens for o in guessed) < drafted
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_seeded_sampled_guesses_give_plain_sampled_outputs_under_overlap(tiny_llama_dir):
+    """Seeded sampled requests (temperature, top-k, top-p, min-p, logit bias, then a one-token bad
+    word) guess, with confirmed and rejected guesses, under the overlap scheduler: each row draws
+    what plain decoding draws at its position, and the generator goes back past the rows dropped,
+    so the outputs are plain decoding's token for token, run after run. An unseeded one guesses too."""
+    from tests.conftest import random_prompts
+
+    prompts = random_prompts(5, 5, 12, 256, seed=11)
+    params = [SamplingParams(max_tokens=40, temperature=0.9, seed=1, logprobs=True),
+              SamplingParams(max_tokens=40, temperature=0.9, seed=2, top_k=20, top_p=0.9),
+              SamplingParams(max_tokens=40, temperature=1.2, seed=3, top_p=0.95, min_p=0.05),
+              SamplingParams(max_tokens=40, temperature=0.9, seed=4, logit_bias={7: 3.0}),
+              SamplingParams(max_tokens=40, temperature=0.9)]
+    banned = SamplingParams(max_tokens=40, temperature=0.9, seed=5, bad_token_ids=[[9]])  # steps serially
+    plain_engine = make_engine(tiny_llama_dir)
+    plain, (plain_banned,) = plain_engine.generate(prompts, params), plain_engine.generate(prompts[:1], banned)
+    engine = make_engine(tiny_llama_dir, speculative_config=NGRAM)
+    engine.overlap = True
+    for _ in range(2):
+        engine.proposer.propose = spoiled_answers(prompts, plain)
+        guessed = engine.generate(prompts, params)
+        assert [o.outputs[0].token_ids for o in guessed[:4]] == [o.outputs[0].token_ids for o in plain[:4]]
+        assert guessed[0].outputs[0].logprobs == pytest.approx(plain[0].outputs[0].logprobs, abs=1e-4)
+        assert all(0 < o.metrics.total_accepted_draft_tokens < o.metrics.total_draft_tokens for o in guessed[:4])
+        assert guessed[4].metrics.total_draft_tokens > 0
+        engine.proposer.propose = spoiled_answers(prompts[:1], [plain_banned])
+        (out,) = engine.generate(prompts[:1], banned)
+        assert out.outputs[0].token_ids == plain_banned.outputs[0].token_ids and 9 not in out.outputs[0].token_ids
+        assert out.metrics.total_accepted_draft_tokens > 0
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_a_seeded_request_draws_the_same_whether_a_neighbour_truncates(tiny_llama_dir):
+    """A seeded request's draws do not depend on its batch: beside a top-k request that ends early,
+    guessing moves the steps at which the two share a batch, and the plain request's output is still
+    plain decoding's (the noise is drawn in vocabulary order whether or not some row sorts)."""
+    from tests.conftest import random_prompts
+
+    prompts = random_prompts(2, 5, 12, 256, seed=11)
+    params = [SamplingParams(max_tokens=40, temperature=0.9, seed=1),
+              SamplingParams(max_tokens=4, temperature=0.9, seed=2, top_k=20)]
+    plain = make_engine(tiny_llama_dir).generate(prompts, params)
+    alone = make_engine(tiny_llama_dir).generate(prompts[:1], params[:1])
+    assert alone[0].outputs[0].token_ids == plain[0].outputs[0].token_ids
+    engine = make_engine(tiny_llama_dir, speculative_config=NGRAM)
+    engine.proposer.propose = spoiled_answers(prompts, plain)
+    guessed = engine.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in guessed] == [o.outputs[0].token_ids for o in plain]
+    assert guessed[0].metrics.total_accepted_draft_tokens > 0
 
 
 def _chat(tokenizer, content: str) -> list[int]:
@@ -122,9 +222,9 @@ def test_an_end_inside_the_confirmed_guesses_ends_the_output_there(engines, copy
 
 
 def test_guesses_mix_with_sampled_requests_and_leave_the_prefix_cache_sound(engines, copy_prompt):
-    """A batch of guessing and sampling requests: greedy outputs are plain decoding's, seeded samples
-    those of the plain engine (they never guess); run again, the second round reuses the cached
-    blocks the first wrote (rejected guesses' KV never entered the cache) and answers the same."""
+    """A batch of greedy and seeded sampled requests, all guessing on a prompt to copy: outputs are
+    plain decoding's (the sampled one's too, draw for draw); run again, the second round reuses the
+    cached blocks the first wrote (rejected guesses' KV never entered the cache) and answers the same."""
     plain, guessing = engines
     greedy = SamplingParams(max_tokens=48, temperature=0.0)
     sampled = SamplingParams(max_tokens=24, temperature=0.8, seed=5)
@@ -136,13 +236,16 @@ def test_guesses_mix_with_sampled_requests_and_leave_the_prefix_cache_sound(engi
     assert [o.outputs[0].token_ids for o in first] == [o.outputs[0].token_ids for o in expected]
     assert [o.outputs[0].token_ids for o in second] == [o.outputs[0].token_ids for o in expected]
     assert all(o.metrics.kv_cache_reused_blocks > 0 for o in second)
-    assert first[2].metrics.total_draft_tokens == 0  # sampling does not guess
+    assert first[2].metrics.total_accepted_draft_tokens > 0  # sampling guesses, and copies
 
 
-def test_requests_with_logit_processors_do_not_guess(engines, copy_prompt):
+def test_requests_whose_processing_reads_earlier_tokens_do_not_guess(engines, copy_prompt):
+    """Penalties and bad words longer than a token depend on the tokens before a row, which the
+    sampler reads from the host, without the guesses; before min_tokens each row would ban the end
+    id or not. (Logit bias and one-token bad words do not: such requests guess.)"""
     _, guessing = engines
     for params in (SamplingParams(max_tokens=16, temperature=0.0, repetition_penalty=1.2),
-                   SamplingParams(max_tokens=16, temperature=0.0, logit_bias={5: 1.0}),
+                   SamplingParams(max_tokens=16, temperature=0.0, bad_token_ids=[[5, 6]]),
                    SamplingParams(max_tokens=16, temperature=0.0, min_tokens=8, ignore_eos=False)):
         (out,), _ = _run(guessing, [copy_prompt], params)
         guessed = out.metrics.total_draft_tokens

@@ -28,6 +28,8 @@ class KvCacheSection(_Strict):
     tokens_per_block: int = Field(KvCacheConfig.tokens_per_block, ge=1, le=1024)
     max_tokens: int | None = Field(KvCacheConfig.max_tokens, ge=1)
     free_gpu_memory_fraction: float = Field(KvCacheConfig.free_gpu_memory_fraction, gt=0.0, le=1.0)
+    dtype: Literal["auto", "fp8"] = Field(KvCacheConfig.dtype, description="auto: the model's dtype; fp8: E4M3, "
+                                          "twice the tokens in the same memory (backends torch and trtllm)")
 
 
 class AutoscalingSection(_Strict):
@@ -180,6 +182,9 @@ class ServiceConfig(_Strict):
         if self.quantization and self.backend != "torch":
             raise ValueError("quantization is read by backend torch (a TensorRT-LLM engine is quantized when it is "
                              "built: ModelOpt, or llm_args' quant_config for backend trtllm)")
+        if self.kv_cache_config.dtype == "fp8" and self.backend == "triton":
+            raise ValueError("kv_cache_config.dtype fp8 is read by backends torch and trtllm (a built TensorRT-LLM "
+                             "engine's KV cache dtype is fixed when it is built: quantize.py --kv_cache_dtype fp8)")
         if self.speculative_config and self.backend == "triton":
             raise ValueError("speculative_config is read by backends torch and trtllm (a built TensorRT-LLM "
                              "engine's speculation is fixed when it is built)")

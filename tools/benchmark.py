@@ -46,7 +46,7 @@ def engine_command(args) -> dict:
                           max_num_tokens=args.max_num_tokens, scheduler_policy=args.policy,
                           batching_type=args.batching, enable_chunked_prefill=not args.no_chunked_prefill,
                           kv_cache_config={"max_tokens": args.kv_tokens or None, "tokens_per_block": args.block_size,
-                                           "enable_block_reuse": not args.no_reuse},
+                                           "enable_block_reuse": not args.no_reuse, "dtype": args.kv_cache_dtype},
                           tensor_parallel_size=args.tp, pipeline_parallel_size=args.pp,
                           quantization=args.quantization)
     config.max_loras = max(config.max_loras, args.adapters)
@@ -234,6 +234,7 @@ def main(argv=None) -> None:
     e.add_argument("--max-num-tokens", type=int, default=EngineConfig.max_num_tokens)
     e.add_argument("--kv-tokens", type=int, default=65536, help="KV pool size; 0: free_gpu_memory_fraction of free memory")
     e.add_argument("--block-size", type=int, default=32)
+    e.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto", help="kv_cache_config.dtype")
     e.add_argument("--no-reuse", action="store_true")
     e.add_argument("--no-chunked-prefill", action="store_true")
     e.add_argument("--policy", default="GUARANTEED_NO_EVICT", choices=["GUARANTEED_NO_EVICT", "MAX_UTILIZATION"])

@@ -66,7 +66,8 @@ def llm_kwargs(config: ServiceConfig, model_dir: str) -> dict:
         # skip_tokenizer_init), though our tokenizer stage owns text: ids in, ids out.
         "guided_decoding_backend": "xgrammar",
         "kv_cache_config": {"enable_block_reuse": kv.enable_block_reuse, "tokens_per_block": kv.tokens_per_block,
-                            "free_gpu_memory_fraction": kv.free_gpu_memory_fraction, "max_tokens": kv.max_tokens},
+                            "free_gpu_memory_fraction": kv.free_gpu_memory_fraction, "max_tokens": kv.max_tokens,
+                            "dtype": kv.dtype},
         "scheduler_config": {"capacity_scheduler_policy": config.scheduler_policy.value},
         "enable_lora": True,
         "lora_config": {"max_lora_rank": config.max_lora_rank, "max_loras": config.max_loras,

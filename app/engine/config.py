@@ -31,6 +31,9 @@ class KvCacheConfig:
     # weights (on CPU: of available system memory), as TensorRT-LLM's free_gpu_memory_fraction.
     max_tokens: int | None = None
     free_gpu_memory_fraction: float = 0.9
+    # TensorRT-LLM's name. "auto": the model's dtype; "fp8": E4M3, one byte per element, so the same
+    # memory holds twice bf16's tokens (per-layer scales, 1.0 without calibrated ones).
+    dtype: str = "auto"
 
     def __post_init__(self):
         if self.tokens_per_block < 1 or self.tokens_per_block & (self.tokens_per_block - 1):
@@ -39,6 +42,8 @@ class KvCacheConfig:
             raise ValueError(f"kv_cache_config.max_tokens must be at least tokens_per_block, got {self.max_tokens}")
         if not 0.0 < self.free_gpu_memory_fraction <= 1.0:
             raise ValueError("kv_cache_config.free_gpu_memory_fraction must be in (0, 1]")
+        if self.dtype not in ("auto", "fp8"):
+            raise ValueError(f"kv_cache_config.dtype must be auto or fp8, got {self.dtype!r}")
 
 
 @dataclass
@@ -102,8 +107,8 @@ class EngineConfig:
     # return_generation_logits: max_tokens x outputs x vocab): 16 MiB of float32, which every stage
     # holds whole at some point; about 85 tokens of SmolLM2's vocabulary, 32 of Llama 3's.
     max_logits_floats: int = 1 << 22
-    # Speculative decoding (None: off). Greedy requests without logit processors speculate; their
-    # steps are not overlapped, since a guess needs the last token on the host.
+    # Speculative decoding (None: off). Greedy and sampled requests without penalties, guides or
+    # beams speculate; their steps are not overlapped, since a guess needs the last token on the host.
     speculative_config: SpeculativeConfig | None = None
     # Ranks = tp x pp: rank 0 is the engine's own process, the others are started by a WorkerLauncher.
     tensor_parallel_size: int = 1

@@ -20,7 +20,7 @@ from app.engine.config import EngineConfig
 from app.engine.cuda_graphs import DecodeGraphs
 from app.engine.lora import LoRACache, LoRASlots
 from app.engine.model_loader import load_model
-from app.engine.models.attention import AttentionMetadata, PackedPrefills
+from app.engine.models.attention import FP8, AttentionMetadata, PackedPrefills
 from app.engine.parallel import SINGLE, Distributed, ParallelLayout
 from app.engine.transfer import to_device
 
@@ -37,6 +37,16 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     if dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+
+
+def resolve_kv_dtype(kv_dtype: str, dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The KV cache's element type: the model's, or E4M3 for kv_cache_config.dtype fp8."""
+    if kv_dtype == "auto":
+        return dtype
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        raise ValueError("kv_cache_config.dtype fp8 needs a GPU of compute capability 8.9 or later (Ada, Hopper): "
+                         "the Triton kernels that write and read it convert to E4M3 there only")
+    return FP8
 
 
 @dataclass
@@ -62,6 +72,7 @@ class ModelShard:
         self.layout = dist.layout if dist else ParallelLayout()
         tp = dist.tp if dist else SINGLE
         self.dtype = resolve_dtype(config.dtype, device)
+        self.kv_dtype = resolve_kv_dtype(config.kv_cache_config.dtype, self.dtype, device)
         self.model = load_model(model_dir, self.dtype, device, max_seq_len, config.load_format, self.layout, tp,
                                 config.quantization)
         self.block_size = config.kv_cache_config.tokens_per_block
@@ -88,7 +99,7 @@ class ModelShard:
         cfg = self.model.config
         # One block more than the pool hands out: the scratch block padded graph rows write to.
         self.kv_cache = torch.zeros(len(self.model.layers), 2, num_blocks + 1, self.block_size,
-                                    cfg.num_kv_heads // self.layout.tp_size, cfg.head_dim, dtype=self.dtype,
+                                    cfg.num_kv_heads // self.layout.tp_size, cfg.head_dim, dtype=self.kv_dtype,
                                     device=self.device)
 
     def _capture(self, config: EngineConfig, max_seq_len: int) -> DecodeGraphs:
@@ -114,17 +125,24 @@ class ModelShard:
         kv = config.kv_cache_config
         if kv.max_tokens is not None:
             return -(-kv.max_tokens // self.block_size)
-        cfg = self.model.config
-        bytes_per_token = (2 * len(self.model.layers) * cfg.num_kv_heads // self.layout.tp_size * cfg.head_dim
-                           * self.dtype.itemsize)
-        if self.device.type == "cuda":
-            free = torch.cuda.mem_get_info(self.device)[0] - graph_bytes
-            tokens = int(free * kv.free_gpu_memory_fraction) // bytes_per_token
-        else:  # no card to fill: a fraction of free RAM, but never more than a full batch can use
-            free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // self.layout.world_size
-            tokens = min(int(free * kv.free_gpu_memory_fraction) // bytes_per_token,
-                         config.max_batch_size * max_seq_len)
+        tokens = int(self._free_memory(graph_bytes) * kv.free_gpu_memory_fraction) // self.kv_bytes_per_token
+        if self.device.type != "cuda":  # no card to fill: never more than a full batch can use
+            tokens = min(tokens, config.max_batch_size * max_seq_len)
         return max(1, tokens // self.block_size)
+
+    def _free_memory(self, graph_bytes: int) -> int:
+        """Bytes the KV pool takes its fraction of: on CUDA what the weights, adapter slots and graphs
+        left; on CPU this rank's share of free RAM."""
+        if self.device.type == "cuda":
+            return torch.cuda.mem_get_info(self.device)[0] - graph_bytes
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // self.layout.world_size
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """One token's keys and values on this rank, every layer: an FP8 cache's half of bf16's."""
+        cfg = self.model.config
+        return (2 * len(self.model.layers) * cfg.num_kv_heads // self.layout.tp_size * cfg.head_dim
+                * self.kv_dtype.itemsize)
 
     @property
     def returns_logits(self) -> bool:

@@ -38,7 +38,7 @@ def test_config_keys_reach_llm_as_model_yaml_does(backend, smollm2_dir):
     assert (args["tensor_parallel_size"], args["pipeline_parallel_size"]) == (1, 1)
     assert (args["max_batch_size"], args["max_num_tokens"], args["max_seq_len"]) == (16, 2048, 1024)
     assert args["kv_cache_config"] == {"enable_block_reuse": True, "tokens_per_block": 32,
-                                       "free_gpu_memory_fraction": 0.9, "max_tokens": 8192}
+                                       "free_gpu_memory_fraction": 0.9, "max_tokens": 8192, "dtype": "auto"}
     assert args["scheduler_config"] == {"capacity_scheduler_policy": "GUARANTEED_NO_EVICT"}
     assert args["cuda_graph_config"] == {"max_batch_size": 16}
     assert args["speculative_config"]["decoding_type"] == "Lookahead"

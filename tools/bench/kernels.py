@@ -160,6 +160,89 @@ def moe(tokens: int, experts: int = 8, top_k: int = 2, hidden: int = 4096, inter
          weight_gbps=weight_bytes / replayed / 1e6, rel_err=err)
 
 
+def _graph_us(fn) -> float:
+    """Microseconds per call, ten calls replayed from one CUDA graph, as decode steps run: no host gaps
+    between the kernels."""
+    fn()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(10):
+            fn()
+    return do_bench(graph.replay, warmup=10, rep=100, return_mode="median") * 1e2
+
+
+def fp8(rows: int, outs: int, width: int) -> None:
+    """One FP8 linear of the 8B shape: bf16 F.linear against the op-by-op FP8 path, one quantize kernel +
+    _scaled_mm, and the weight-only kernel (few rows) in a few tile shapes; errors against float32."""
+    from app.engine.models.layers import fp8_linear
+    from app.engine.models.triton_fp8 import quantize_rows, weight_only_matmul
+
+    w16 = torch.randn(outs, width, device="cuda", dtype=torch.bfloat16) * width ** -0.5
+    scale = w16.float().abs().amax(dim=1, keepdim=True) / 448.0
+    w8 = (w16.float() / scale).to(torch.float8_e4m3fn)
+    w_scale = scale.t().contiguous()
+    x = torch.randn(rows, width, device="cuda", dtype=torch.bfloat16)
+    ref = x.float() @ (w8.float() * scale).t()
+
+    def quantized():
+        q, s = quantize_rows(x)
+        return torch._scaled_mm(q, w8.t(), scale_a=s, scale_b=w_scale, out_dtype=x.dtype)
+
+    bench = _graph_us
+    fields = dict(kernel="fp8_linear", rows=rows, outs=outs, width=width, bf16_us=bench(lambda: F.linear(x, w16)),
+                  op_by_op_us=bench(lambda: fp8_linear(x, w8, w_scale, None)), quantize_mm_us=bench(quantized),
+                  quantize_mm_err=_rel_err(quantized(), ref), op_by_op_err=_rel_err(fp8_linear(x, w8, w_scale, None), ref))
+    if rows <= 128:
+        for block_n, block_k, split_k, warps, stages in ((32, 256, 1, 4, 4), (32, 256, 2, 4, 4), (32, 256, 4, 4, 4),
+                                                         (64, 256, 4, 4, 4), (64, 128, 2, 4, 4), (64, 256, 1, 4, 4)):
+            def run():
+                return weight_only_matmul(x, w8, w_scale, None, block_n, block_k, split_k, warps, stages)
+            us = bench(run)
+            fields[f"wo_{block_n}x{block_k}k{split_k}w{warps}_us"] = us
+        fields["weight_only_err"] = _rel_err(weight_only_matmul(x, w8, w_scale, None, 32, 256, 4), ref)
+    one = torch.ones((), device="cuda")
+
+    def tensorwise():  # per-tensor scales: the scales' product applied after, as an epilogue would
+        q, s = quantize_rows(x)
+        return torch._scaled_mm(q, w8.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16) * (s * w_scale)
+    fields["tensorwise_mm_us"] = bench(lambda: torch._scaled_mm(x.to(torch.float8_e4m3fn), w8.t(), scale_a=one,
+                                                                scale_b=one, out_dtype=torch.bfloat16))
+    fields["tensorwise_epilogue_us"] = bench(tensorwise)
+    fields["tensorwise_epilogue_err"] = _rel_err(tensorwise(), ref)
+    _row(**fields)
+
+
+def lora(rows: int, outs: list[int], width: int, rank: int = 16) -> None:
+    """One adapted linear of the 8B shape, every row on one adapter: the base bf16 matmul beside the
+    adapter's shrink + expand (the y copy each call makes timed apart), replayed from graphs."""
+    from app.engine.models.triton_lora import add_lora
+
+    n = sum(outs)
+    offsets = [sum(outs[:i]) for i in range(len(outs))]
+    w = torch.randn(n, width, device="cuda", dtype=torch.bfloat16) * width ** -0.5
+    a = torch.randn(2, len(outs) * rank, width, device="cuda", dtype=torch.bfloat16) * width ** -0.5
+    b = torch.randn(2, n, rank, device="cuda", dtype=torch.bfloat16) * rank ** -0.5
+    x = torch.randn(rows, width, device="cuda", dtype=torch.bfloat16)
+    order = torch.arange(rows, device="cuda")
+    items = torch.tensor([[0, i, min(i + 16, rows)] for i in range(0, rows, 16)], dtype=torch.int32, device="cuda")
+    base = F.linear(x, w)
+    _row(kernel="lora", rows=rows, outs=n, width=width, rank=rank, base_us=_graph_us(lambda: F.linear(x, w)),
+         lora_with_copy_us=_graph_us(lambda: add_lora(x, base.clone(), a, b, offsets, order, items, 16)),
+         copy_us=_graph_us(base.clone))
+
+
+def _loras() -> None:
+    for rows in (1, 4, 16):
+        for outs, width in (([4096, 1024, 1024], 4096), ([4096], 4096), ([14336, 14336], 4096), ([4096], 14336)):
+            _attempt(lora, rows, outs, width)
+
+
+def _fp8s() -> None:
+    for rows in (1, 8, 16, 32, 64, 128, 256, 1024):
+        for outs, width in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)):
+            _attempt(fp8, rows, outs, width)
+
+
 def _attempt(fn, *args) -> None:
     """One row; a failure is printed and the table goes on (one device call measures them all)."""
     try:
@@ -195,7 +278,7 @@ def _moes() -> None:
         _attempt(moe, tokens)
 
 
-SECTIONS = {"decode": _decodes, "add_norm": _add_norms, "prefill": _prefills, "moe": _moes}
+SECTIONS = {"decode": _decodes, "add_norm": _add_norms, "prefill": _prefills, "moe": _moes, "fp8": _fp8s, "lora": _loras}
 
 
 def main() -> None:

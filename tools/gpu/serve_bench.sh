@@ -20,6 +20,7 @@
 #   adapters   ADAPTERS (8) random adapters of rank LORA_RANK (16) registered in a copy of the config
 #              (tools/gpu/lora_config.py); the engine and dag steps after it then run every level twice,
 #              the base model and the adapters mixed, on /v1 only (a request names its adapter as model)
+#   fp8        quantization: fp8 in a copy of the config; the engine and dag steps after it use it
 #   engine     the engine alone on the same workloads, in a process of its own (no server running)
 #   dag        serve run, then the load generator over HTTP on both routes, in the order ROUTES names
 #              (default "triton openai"); stops the server after.
@@ -82,6 +83,17 @@ adapters() {  # ADAPTERS random adapters of rank LORA_RANK in a copy of the conf
   CONFIG=$dir/config.yaml ROUTES=openai
   set_bench --adapters "${ADAPTERS:-8}"
   echo "adapters: $SERVE_CONFIG"
+}
+
+fp8() {  # a copy of the config with quantization: fp8, and a serve config naming it, for the steps after it
+  local dir=/tmp/llm-serve-fp8
+  mkdir -p "$dir"
+  grep -q '^quantization:' "$CONFIG" && { echo "fp8: $CONFIG sets quantization already"; return 1; }
+  { cat "$CONFIG"; echo; echo "quantization: fp8"; } > "$dir/config.yaml"
+  sed "s#^\( *config:\).*#\1 $dir/config.yaml#" "$SERVE_CONFIG" > "$dir/serve_config.yaml"
+  CONFIG=$dir/config.yaml SERVE_CONFIG=$dir/serve_config.yaml
+  set_bench
+  echo "fp8: $SERVE_CONFIG"
 }
 
 tokenizer() {

@@ -10,6 +10,11 @@ keys, itself included: transformers' `kv_idx > q_idx - window`. Every block of a
 its cache (blocks that fell out of the window are not freed), the paths just skip or mask them.
 Softcapped logits (Gemma 2: tanh(s / cap) * cap before the softmax) are beyond SDPA and torch's
 flash attention: such attention is computed op by op, as transformers' eager attention does.
+
+An FP8 cache (kv_cache_config.dtype fp8) holds x / scale in E4M3, with one key and one value scale
+per layer (`kv_scales`, float32 tensors on the device, so CUDA graphs read them without the host).
+The write hands the step's keys and values back as the cache holds them (rounded through FP8), so a
+prefill chunk attends to exactly what decode steps, later chunks and prefix-cache hits will read.
 """
 from __future__ import annotations
 
@@ -21,6 +26,10 @@ import torch
 import torch.nn.functional as F
 
 from app.engine.transfer import to_device
+
+# E4M3, the FP8 linears' format too: defined here, below kernels.py and layers.py in the imports.
+FP8 = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8).max  # 448
 
 
 @dataclass
@@ -54,11 +63,16 @@ class PackedPrefills:
         return cls(cumulative(news), cumulative(contexts), max(news), max(contexts), kv_slots,
                    list(zip(news, contexts)))
 
-    def keys(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor):
-        """Every chunk's context keys and values, packed: the step's own where no chunk has a prefix."""
+    def keys(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None):
+        """Every chunk's context keys and values, packed, in k's dtype: the step's own where no chunk has
+        a prefix (already as the cache holds them), else gathered from the cache."""
         if self.kv_slots is None:
             return k, v
-        return (cache.view(-1, k.shape[1], k.shape[2]).index_select(0, self.kv_slots) for cache in (k_cache, v_cache))
+        keys, values = (_select(cache.view(-1, k.shape[1], k.shape[2]), self.kv_slots) for cache in (k_cache, v_cache))
+        if k_cache.dtype == FP8:
+            keys, values = dequantize(keys, kv_scales[0], k.dtype), dequantize(values, kv_scales[1], v.dtype)
+        return keys, values
 
 
 @dataclass
@@ -95,20 +109,42 @@ def flash_varlen():
     return attend
 
 
-def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slots: torch.Tensor) -> None:
-    """Write the step's keys and values into their cache slots."""
+def quantize(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x / scale in E4M3, computed in float32; beyond +-448 saturates (as Triton's conversion does)."""
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+
+
+def dequantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """An FP8 cache's values times their scale, in float32, rounded once to `dtype`."""
+    return (x.float() * scale).to(dtype)
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+             kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Write the step's keys and values into their cache slots; returns them as the cache holds them."""
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, k)
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, v)
+    if k_cache.dtype != FP8:
+        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, k)
+        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, v)
+        return k, v
+
+    def write(x: torch.Tensor, cache: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        x8 = quantize(x, scale)
+        # As bytes: index_copy_ has no FP8 kernel (on CPU at least).
+        cache.view(-1, num_kv_heads, head_dim).view(torch.uint8).index_copy_(0, slots, x8.view(torch.uint8))
+        return dequantize(x8, scale, x.dtype)
+    return write(k, k_cache, kv_scales[0]), write(v, v_cache, kv_scales[1])
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                     scale: float, window: int | None, softcap: float | None) -> torch.Tensor:
+                     scale: float, window: int | None, softcap: float | None,
+                     kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """q: [num_decodes, H, D], one query per sequence at the end of its context: one batched
     attention over each sequence's gathered blocks, masked to its length (and window)."""
     keys = _gather(k_cache, meta.decode_block_tables)  # [B, KVH, L, D]
     values = _gather(v_cache, meta.decode_block_tables)
+    if k_cache.dtype == FP8:  # gathered in FP8, the fewest bytes, then dequantized
+        keys, values = dequantize(keys, kv_scales[0], q.dtype), dequantize(values, kv_scales[1], q.dtype)
     lens = meta.decode_context_lens[:, None].long()
     positions = torch.arange(keys.shape[2], device=q.device)[None, :]
     mask = positions < lens
@@ -119,9 +155,10 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                       v_cache: torch.Tensor, prefills: PackedPrefills, scale: float, window: int | None,
-                      softcap: float | None) -> torch.Tensor:
+                      softcap: float | None, kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None
+                      ) -> torch.Tensor:
     """q, k, v: the prefill rows of the step (k, v already in the caches). Chunk by chunk."""
-    k, v = prefills.keys(k, v, k_cache, v_cache)
+    k, v = prefills.keys(k, v, k_cache, v_cache, kv_scales)
     out = torch.empty_like(q)
     row = key = 0
     for num_tokens, context_len in prefills.sizes:
@@ -158,8 +195,15 @@ def _attend(q, k, v, mask: torch.Tensor, scale: float, softcap: float | None) ->
 def _gather(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
     """[B, KVH, nb * bs, D] keys or values of the listed blocks (index_select: faster than indexing)."""
     b, nb = block_tables.shape
-    blocks = cache.index_select(0, block_tables.flatten())  # [B * nb, bs, KVH, D]
+    blocks = _select(cache, block_tables.flatten())  # [B * nb, bs, KVH, D]
     return blocks.view(b, nb * cache.shape[1], cache.shape[2], cache.shape[3]).transpose(1, 2)
+
+
+def _select(cache: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """cache.index_select(0, index); an FP8 cache's as bytes, which every device can index."""
+    if cache.dtype != FP8:
+        return cache.index_select(0, index)
+    return cache.view(torch.uint8).index_select(0, index).view(FP8)
 
 
 def _causal_mask(num_queries: int, context_len: int, device, window: int | None) -> torch.Tensor:

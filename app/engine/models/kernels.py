@@ -4,19 +4,34 @@ layers call the object they were given and never ask which device they are on.
 - `TorchKernels`, anywhere: torch ops as transformers computes them, attention through SDPA
   (app/engine/models/attention.py); on CPU in float32 the linear weights are packed for oneDNN.
 - `CudaKernels`: Triton kernels for decode attention (paged, CUDA-graph safe), the rotary
-  embedding fused with the cache write, SiLU * up, and the residual add fused with RMSNorm; in
-  16-bit a step's prefill chunks go through one varlen flash-attention call.
+  embedding fused with the cache write, SiLU * up, the residual add fused with RMSNorm, and FP8
+  linears (triton_fp8.py); in 16-bit a step's prefill chunks go through one varlen flash-attention call.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from app.engine.models.attention import (AttentionMetadata, decode_attention, flash_varlen, prefill_attention,
-                                         store_kv)
+from app.engine.models.attention import (FP8, FP8_MAX, AttentionMetadata, decode_attention, flash_varlen,
+                                         prefill_attention, store_kv)
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+               bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ weight.T with both in FP8: x quantized on the fly, one scale per token (dynamic, so an
+    outlier token costs only its own precision), then one scaled matmul that writes x's dtype."""
+    rows = x.reshape(-1, x.shape[-1])
+    scale = rows.abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-12) / FP8_MAX
+    y = torch._scaled_mm((rows.float() / scale).to(FP8), weight.t(), scale_a=scale, scale_b=weight_scale,
+                         out_dtype=x.dtype)
+    if bias is not None:  # added here: _scaled_mm takes no bias with a float32 output
+        y = y + bias
+    return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
 class TorchKernels:
+    fp8_linear = staticmethod(fp8_linear)
+
     def __init__(self, device: torch.device, dtype: torch.dtype):
         # oneDNN's blocked weight layout: on the 2-core dev CPU it halves small-batch matmul time.
         self.packs_linears = (device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
@@ -46,35 +61,38 @@ class TorchKernels:
         return F.silu(gate).mul_(up)
 
     def rotary_store(self, qkv: torch.Tensor, num_heads: int, num_kv_heads: int, cos: torch.Tensor,
-                     sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor):
+                     sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                     kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None):
         """Split qkv [T, (H + 2 KVH) * D] into q [T, H, D], k, v [T, KVH, D], rotate q and k (cos, sin:
-        [T, 1, D]) and write k and v into their cache slots."""
+        [T, 1, D]) and write k and v into their cache slots. k and v come back as the cache holds them
+        (an FP8 cache: divided by kv_scales' key and value scale, rounded, multiplied back)."""
         t, head_dim = qkv.shape[0], k_cache.shape[-1]
         q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
         q, k = _rotate(q.view(t, num_heads, head_dim), cos, sin), _rotate(k.view(t, num_kv_heads, head_dim), cos, sin)
-        v = v.view(t, num_kv_heads, head_dim)
-        store_kv(k, v, k_cache, v_cache, slots)
+        k, v = store_kv(k, v.view(t, num_kv_heads, head_dim), k_cache, v_cache, slots, kv_scales)
         return q, k, v
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                   v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, window: int | None = None,
-                  softcap: float | None = None) -> torch.Tensor:
+                  softcap: float | None = None, kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None
+                  ) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, KVH, D], already in the caches [num_blocks, block_size, KVH, D].
         window: keys each query sees, itself included (None: all before it); softcap: tanh(s / cap) * cap
-        on the scaled logits. Returns [T, H, D]."""
+        on the scaled logits; kv_scales: an FP8 cache's key and value scales. Returns [T, H, D]."""
         nd = meta.num_decodes
         parts = []
         if nd:
-            parts.append(self._decode(q[:nd], k_cache, v_cache, meta, scale, window, softcap))
+            parts.append(self._decode(q[:nd], k_cache, v_cache, meta, scale, window, softcap, kv_scales))
         if meta.prefills is not None:
-            parts.append(self._prefill(q[nd:], k[nd:], v[nd:], k_cache, v_cache, meta, scale, window, softcap))
+            parts.append(self._prefill(q[nd:], k[nd:], v[nd:], k_cache, v_cache, meta, scale, window, softcap,
+                                       kv_scales))
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
-    def _decode(self, q, k_cache, v_cache, meta, scale, window, softcap):
-        return decode_attention(q, k_cache, v_cache, meta, scale, window, softcap)
+    def _decode(self, q, k_cache, v_cache, meta, scale, window, softcap, kv_scales):
+        return decode_attention(q, k_cache, v_cache, meta, scale, window, softcap, kv_scales)
 
-    def _prefill(self, q, k, v, k_cache, v_cache, meta, scale, window, softcap):
-        return prefill_attention(q, k, v, k_cache, v_cache, meta.prefills, scale, window, softcap)
+    def _prefill(self, q, k, v, k_cache, v_cache, meta, scale, window, softcap, kv_scales):
+        return prefill_attention(q, k, v, k_cache, v_cache, meta.prefills, scale, window, softcap, kv_scales)
 
 
 class CudaKernels(TorchKernels):
@@ -83,8 +101,9 @@ class CudaKernels(TorchKernels):
         self.grouped_gemm_on_device = dtype == torch.bfloat16 and torch.cuda.get_device_capability(device) >= (9, 0)
         self.flash = flash_varlen() if dtype in (torch.bfloat16, torch.float16) else None
         # Imported here: Triton compiles for a GPU, and a CPU-only install may lack it.
-        from app.engine.models import triton_attention, triton_fused
+        from app.engine.models import triton_attention, triton_fp8, triton_fused
         self.triton_attention, self.triton_fused = triton_attention, triton_fused
+        self.fp8_linear = triton_fp8.fp8_linear
 
     def rms_norm(self, x, weight, eps, in_float32):
         if in_float32:
@@ -100,21 +119,22 @@ class CudaKernels(TorchKernels):
     def silu_mul(self, gate_up):
         return self.triton_fused.silu_mul(gate_up)
 
-    def rotary_store(self, qkv, num_heads, num_kv_heads, cos, sin, k_cache, v_cache, slots):
+    def rotary_store(self, qkv, num_heads, num_kv_heads, cos, sin, k_cache, v_cache, slots, kv_scales=None):
         half = k_cache.shape[-1] // 2
         if half & (half - 1):  # the fused kernel's tile is a power of 2
-            return super().rotary_store(qkv, num_heads, num_kv_heads, cos, sin, k_cache, v_cache, slots)
-        return self.triton_fused.rotary_store(qkv, num_heads, num_kv_heads, cos, sin, k_cache, v_cache, slots)
+            return super().rotary_store(qkv, num_heads, num_kv_heads, cos, sin, k_cache, v_cache, slots, kv_scales)
+        return self.triton_fused.rotary_store(qkv, num_heads, num_kv_heads, cos, sin, k_cache, v_cache, slots,
+                                              kv_scales)
 
-    def _decode(self, q, k_cache, v_cache, meta, scale, window, softcap):
+    def _decode(self, q, k_cache, v_cache, meta, scale, window, softcap, kv_scales):
         return self.triton_attention.paged_decode(q, k_cache, v_cache, meta.decode_block_tables,
-                                                  meta.decode_context_lens, scale, window, softcap)
+                                                  meta.decode_context_lens, scale, window, softcap, kv_scales)
 
-    def _prefill(self, q, k, v, k_cache, v_cache, meta, scale, window, softcap):
+    def _prefill(self, q, k, v, k_cache, v_cache, meta, scale, window, softcap, kv_scales):
         if self.flash is None or softcap is not None or (window is not None and not self.flash.windowed):
-            return super()._prefill(q, k, v, k_cache, v_cache, meta, scale, window, softcap)
+            return super()._prefill(q, k, v, k_cache, v_cache, meta, scale, window, softcap, kv_scales)
         p = meta.prefills
-        k, v = p.keys(k, v, k_cache, v_cache)
+        k, v = p.keys(k, v, k_cache, v_cache, kv_scales)
         return self.flash(q, k, v, p.cu_q, p.cu_k, p.max_q, p.max_k, scale, window)
 
 

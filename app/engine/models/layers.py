@@ -12,11 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from app.engine.models.kernels import TorchKernels
+from app.engine.models.kernels import FP8, FP8_MAX, TorchKernels, fp8_linear
 from app.engine.parallel import SINGLE, TensorParallel
-
-FP8 = torch.float8_e4m3fn
-FP8_MAX = torch.finfo(FP8).max  # 448: a channel's (or token's) largest magnitude maps here
 
 
 class MergedLinear(nn.Module):
@@ -41,31 +38,62 @@ class MergedLinear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(sum(out_sizes), dtype=dtype), requires_grad=False) if bias else None
         self.packed: torch.Tensor | None = None
         self.weight_scale: torch.Tensor | None = None  # FP8 weights: [1, out] float32, one per output channel
+        self.fp8_matmul = fp8_linear  # replaced by the device's FP8 kernel once loaded (finish_loading)
         self.offsets = [sum(out_sizes[:i]) for i in range(len(out_sizes))]
         self.lora_key: tuple[int, str] | None = None  # (layer, path): where adapters attach
 
     def load_shard(self, name: str, tensor: torch.Tensor, shard: int) -> None:
-        """Copy one HF tensor (whole, unsharded) into its place; this rank keeps its slice."""
+        """Copy one HF tensor (whole, unsharded) into its place; this rank keeps its slice. An FP8
+        weight's `weight_scale` (per tensor or per output channel) fills its slice of the per-channel
+        scales: fused projections each keep their own scale, and nothing is requantized."""
+        if name == "weight" and (tensor.dtype == FP8) != (self.weight.dtype == FP8):
+            raise ValueError(f"a {tensor.dtype} weight for a linear held in {self.weight.dtype}: an FP8 weight "
+                             "comes with its weight_scale, and projections fused into one linear are all FP8 or none")
+        if name == "weight_scale":
+            tensor = self._channel_scales(tensor, shard)
         if self.tp.size > 1 and self.parallel == "column":
             tensor = tensor.chunk(self.tp.size, dim=0)[self.tp.rank]
         elif self.tp.size > 1 and self.parallel == "row" and name == "weight":
             tensor = tensor.chunk(self.tp.size, dim=1)[self.tp.rank]
         start = sum(self.out_sizes[:shard])
-        getattr(self, name)[start:start + self.out_sizes[shard]].copy_(tensor)
+        target = self.weight_scale[0] if name == "weight_scale" else getattr(self, name)
+        target[start:start + self.out_sizes[shard]].copy_(tensor)
 
     def load_fused(self, name: str, tensor: torch.Tensor) -> None:
         """Copy an HF tensor that holds every projection already concatenated (Phi-3's qkv_proj)."""
         whole = [size * self.tp.size if self.parallel == "column" else size for size in self.out_sizes]
-        for shard, part in enumerate(tensor.split(whole, dim=0)):
+        per_tensor = name == "weight_scale" and tensor.numel() == 1  # one scale for every projection
+        for shard, part in enumerate([tensor] * len(whole) if per_tensor else tensor.split(whole, dim=0)):
             self.load_shard(name, part, shard)
+
+    def hold_fp8(self) -> None:
+        """Hold an FP8 checkpoint's weight as it is stored: E4M3, with [1, out] float32 scales. Both
+        start NaN, so the loader finds what no checkpoint tensor filled."""
+        if self.weight.dtype == FP8:  # q, k and v each ask
+            return
+        nan, device = float("nan"), self.weight.device
+        self.weight = nn.Parameter(torch.full_like(self.weight, nan, dtype=FP8), requires_grad=False)
+        scale = torch.full((1, self.weight.shape[0]), nan, dtype=torch.float32, device=device)
+        self.weight_scale = nn.Parameter(scale, requires_grad=False)
+
+    def _channel_scales(self, scale: torch.Tensor, shard: int) -> torch.Tensor:
+        """Projection `shard`'s scales, one per output channel of the whole (unsharded) projection."""
+        outputs = self.out_sizes[shard] * (self.tp.size if self.parallel == "column" else 1)
+        if scale.numel() == 1:  # per tensor (ModelOpt FP8: shape []; compressed-tensors "tensor": [1])
+            return scale.reshape(1).expand(outputs)
+        if scale.shape[0] == outputs and scale.numel() == outputs:  # per channel: [out] or [out, 1]
+            return scale.reshape(outputs)
+        raise ValueError(f"a weight_scale of shape {list(scale.shape)} for {outputs} output channels: FP8 weights "
+                         "load with per-tensor or per-channel scales, not block-wise ones")
 
     def quantize_fp8(self) -> None:
         """The weight in FP8 (E4M3) with one scale per output channel, computed on this rank's slice;
-        the 16-bit weight is dropped."""
+        the 16-bit weight is dropped. It multiplies op by op (fp8_linear) until given the device's
+        FP8 kernel (`fp8_matmul`, set by LlamaForCausalLM.finish_loading)."""
         weight = self.weight.float()
         scale = weight.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / FP8_MAX
         self.weight = nn.Parameter((weight / scale).to(FP8), requires_grad=False)
-        self.weight_scale = scale.t().contiguous()
+        self.weight_scale = nn.Parameter(scale.t().contiguous(), requires_grad=False)
 
     def pack_for_cpu(self) -> None:
         """Reorder the weight into oneDNN's blocked layout once (where TorchKernels.packs_linears)."""
@@ -75,7 +103,7 @@ class MergedLinear(nn.Module):
         # A row linear's bias is added once, after the partial sums are reduced.
         bias = None if self.reduces else self.bias
         if self.weight_scale is not None:
-            y = fp8_linear(x, self.weight, self.weight_scale, bias)
+            y = self.fp8_matmul(x, self.weight, self.weight_scale, bias)
         elif self.packed is not None:
             y = torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
         else:
@@ -87,19 +115,6 @@ class MergedLinear(nn.Module):
             if self.bias is not None:
                 y = y + self.bias
         return y
-
-
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-               bias: torch.Tensor | None) -> torch.Tensor:
-    """x @ weight.T with both in FP8: x quantized on the fly, one scale per token (dynamic, so an
-    outlier token costs only its own precision), then one scaled matmul that writes x's dtype."""
-    rows = x.reshape(-1, x.shape[-1])
-    scale = rows.abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-12) / FP8_MAX
-    y = torch._scaled_mm((rows.float() / scale).to(FP8), weight.t(), scale_a=scale, scale_b=weight_scale,
-                         out_dtype=x.dtype)
-    if bias is not None:  # added here: _scaled_mm takes no bias with a float32 output
-        y = y + bias
-    return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
 class Linear(MergedLinear):

@@ -121,6 +121,10 @@ class Attention(nn.Module):
         self.window, self.softcap = cfg.layer_windows[layer], cfg.attn_logit_softcapping
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, kernels) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, kernels) if cfg.qk_norm else None
+        # An FP8 KV cache holds k / k_scale and v / v_scale (read only then). 1.0, as vLLM and TensorRT-LLM
+        # take without calibrated scales: a checkpoint's are not read yet (UNREAD), a loader of them fills these.
+        self.register_buffer("k_scale", torch.ones((), dtype=torch.float32), persistent=False)
+        self.register_buffer("v_scale", torch.ones((), dtype=torch.float32), persistent=False)
 
     def forward(self, x, rope, kv_cache, meta: AttentionMetadata, lora):
         qkv = self.qkv_proj(x, lora)
@@ -131,9 +135,11 @@ class Attention(nn.Module):
             k = qkv[:, q_size:q_size + kv_size].view(t, self.num_kv_heads, self.head_dim)
             q.copy_(self.q_norm(q))
             k.copy_(self.k_norm(k))
+        scales = (self.k_scale, self.v_scale)
         q, k, v = self.kernels.rotary_store(qkv, self.num_heads, self.num_kv_heads, *rope, kv_cache[0], kv_cache[1],
-                                            meta.slot_mapping)
-        o = self.kernels.attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.window, self.softcap)
+                                            meta.slot_mapping, scales)
+        o = self.kernels.attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.window, self.softcap,
+                                   scales)
         return self.o_proj(o.view(t, -1), lora)
 
 
@@ -197,6 +203,11 @@ class LlamaForCausalLM(nn.Module):
                    "gate_proj": ("mlp.gate_up_proj", 0), "up_proj": ("mlp.gate_up_proj", 1),
                    "down_proj": ("mlp.down_proj", 0)}
     FUSED = ("qkv_proj", "gate_up_proj")
+    # Checkpoint tensors nothing reads. FP8 KV-cache scales (ModelOpt: k_proj.k_scale, v_proj.v_scale;
+    # compressed-tensors: self_attn.k_scale, v_scale, or k_proj/v_proj.output_scale): a checkpoint's
+    # KV-cache quantization is not applied. Static activation scales (input_scale): FP8 linears scale
+    # each token's activations on the fly, which never clips and fits each token at least as well.
+    UNREAD = (".k_scale", ".v_scale", ".kv_scale", "k_proj.output_scale", "v_proj.output_scale", ".input_scale")
 
     def __init__(self, cfg: ModelConfig, max_positions: int, dtype: torch.dtype, kernels: TorchKernels,
                  layout: ParallelLayout = ParallelLayout(), tp: TensorParallel = SINGLE):
@@ -223,15 +234,34 @@ class LlamaForCausalLM(nn.Module):
             if cfg.tie_word_embeddings and self.is_first:
                 self.lm_head.weight = self.embed_tokens.weight
 
+    def hold_fp8(self, scale_names: list[str]) -> None:
+        """Before an FP8 checkpoint's tensors load: FP8 storage for each linear whose weight comes
+        with one of `scale_names` (its `*.weight_scale` tensors)."""
+        for name in scale_names:
+            target = self.hf_target(name)
+            if target is None:
+                continue
+            if not isinstance(target[0], MergedLinear):
+                raise ValueError(f"checkpoint tensor {name!r}: FP8 weights load into linear layers, not into "
+                                 f"{type(target[0]).__name__} (FP8 mixture-of-experts weights are not supported)")
+            target[0].hold_fp8()
+
     def finish_loading(self, quantization: str | None = None) -> None:
-        """Weights are in place: quantize the decoder layers' linears where asked (`fp8`; the
-        lm_head and embeddings keep the model's dtype), then prepare the kernels' layouts."""
+        """Weights are in place: quantize the decoder layers' 16-bit linears where asked (`fp8`; the
+        lm_head and embeddings keep the model's dtype, and an FP8 checkpoint's linears are FP8
+        already), then prepare the kernels' layouts."""
         if quantization == "fp8":
             for module in self.layers.modules():
-                if isinstance(module, MergedLinear):
+                if isinstance(module, MergedLinear) and module.weight_scale is None:
                     module.quantize_fp8()
-            if torch.cuda.is_available():  # the 16-bit weights' memory back, before the KV pool is sized
-                torch.cuda.empty_cache()
+        for module in self.modules():
+            if isinstance(module, MergedLinear) and module.weight_scale is not None:
+                module.fp8_matmul = self.kernels.fp8_linear
+        # The 16-bit weights that FP8 ones replaced (quantized, or held for an FP8 checkpoint): their
+        # memory back, before the KV pool is sized from what is free.
+        if torch.cuda.is_available() and any(isinstance(m, MergedLinear) and m.weight_scale is not None
+                                             for m in self.modules()):
+            torch.cuda.empty_cache()
         if self.kernels.packs_linears:
             for module in self.modules():
                 if isinstance(module, MergedLinear) and module.weight_scale is None:
@@ -263,9 +293,9 @@ class LlamaForCausalLM(nn.Module):
 
     def hf_target(self, name: str):
         """(module, parameter name, shard) that HF checkpoint tensor `name` loads into, or None for
-        names this rank does not hold (another stage's layers, rotary buffers, a tied head)."""
+        names this rank does not hold (another stage's layers, rotary buffers, a tied head, UNREAD scales)."""
         name = name.removeprefix("model.")
-        if "rotary_emb" in name:
+        if "rotary_emb" in name or name.endswith(self.UNREAD):
             return None
         if name == "embed_tokens.weight" and self.is_last and not self.is_first and self.config.tie_word_embeddings:
             name = "lm_head.weight"  # a last stage without the embedding still needs its tied head

@@ -9,6 +9,10 @@ With a sliding window a sequence attends to its last `window` keys (its newest i
 starts at the tile holding the first of them, so blocks wholly before the window are never read,
 and positions before it in that tile are masked. Softcapping (Gemma 2) applies tanh(s / cap) * cap
 to the scaled scores, before the online softmax.
+
+An FP8 cache's tiles are converted to the query's dtype, which holds every E4M3 value exactly, and
+its per-layer scales are applied once each: k_scale with the score scale, v_scale to the output
+(sum p * (v8 * s) = s * sum p * v8). The scales are read from device memory, as graphs need.
 """
 from __future__ import annotations
 
@@ -23,12 +27,15 @@ NUM_WARPS = 4
 
 
 @triton.jit
-def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, scale, window,
+def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, k_scale_ptr, v_scale_ptr, scale, window,
                          stride_qt, stride_qh, stride_cb, stride_cs, stride_ch, stride_tb, stride_ot, stride_oh,
                          GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                         BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, IEEE: tl.constexpr, SOFTCAP: tl.constexpr):
+                         BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, IEEE: tl.constexpr, SOFTCAP: tl.constexpr,
+                         FP8: tl.constexpr):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
+    if FP8:
+        scale = scale * tl.load(k_scale_ptr)
     context = tl.load(lens_ptr + seq)
     first = tl.maximum(context - window, 0)  # the window's first position; the first tile always holds one
     g = tl.arange(0, BLOCK_G)
@@ -47,7 +54,7 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, sca
         block = tl.load(tables_ptr + seq * stride_tb + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
         offsets = block[:, None] * stride_cb + (pos % BLOCK_SIZE)[:, None] * stride_cs + kv_head * stride_ch \
             + d[None, :]
-        k = tl.load(k_ptr + offsets, mask=valid[:, None] & in_head[None, :], other=0.0)
+        k = tl.load(k_ptr + offsets, mask=valid[:, None] & in_head[None, :], other=0.0).to(q.dtype)
         if IEEE:
             scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
         else:
@@ -59,33 +66,39 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, sca
         p = tl.exp(scores - m_new[:, None])
         alpha = tl.exp(m - m_new)
         total = total * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptr + offsets, mask=valid[:, None] & in_head[None, :], other=0.0)
+        v = tl.load(v_ptr + offsets, mask=valid[:, None] & in_head[None, :], other=0.0).to(q.dtype)
         if IEEE:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         else:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m = m_new
     out = acc / total[:, None]
+    if FP8:
+        out = out * tl.load(v_scale_ptr)
     tl.store(out_ptr + seq * stride_ot + heads[:, None] * stride_oh + d[None, :], out.to(out_ptr.dtype.element_ty),
              mask=(g < GROUP)[:, None] & in_head[None, :])
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                  context_lens: torch.Tensor, scale: float, window: int | None = None, softcap: float | None = None,
-                 tile_tokens: int = TILE_TOKENS, num_warps: int = NUM_WARPS) -> torch.Tensor:
+                 kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None, tile_tokens: int = TILE_TOKENS,
+                 num_warps: int = NUM_WARPS) -> torch.Tensor:
     """q: [B, H, D]; caches: [num_blocks, block_size, KVH, D]; block_tables: [B, max_blocks] (int32);
-    context_lens: [B] (int32); window: keys each sequence attends to, its newest included (None: all).
-    Returns [B, H, D]."""
+    context_lens: [B] (int32); window: keys each sequence attends to, its newest included (None: all);
+    kv_scales: an FP8 cache's key and value scales (float32, one element each). Returns [B, H, D]."""
     num_seqs, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
     block_d = triton.next_power_of_2(head_dim)
-    tile = min(max(tile_tokens, block_size), TILE_BYTES // (block_d * k_cache.element_size()))
+    # The tiles as the dots read them: in the query's dtype (an FP8 cache's are converted to it).
+    tile = min(max(tile_tokens, block_size), TILE_BYTES // (block_d * q.element_size()))
     out = torch.empty_like(q)
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
+    k_scale, v_scale = kv_scales if fp8 else (out, out)  # not read without FP8
     _paged_decode_kernel[(num_seqs, num_kv_heads)](
-        q, k_cache, v_cache, block_tables, context_lens, out, scale, window or 2 ** 31 - 1,
+        q, k_cache, v_cache, block_tables, context_lens, out, k_scale, v_scale, scale, window or 2 ** 31 - 1,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         out.stride(0), out.stride(1), GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_D=block_d, BLOCK_SIZE=block_size, TILE=tile, IEEE=q.dtype == torch.float32,
-        SOFTCAP=float(softcap or 0.0), num_warps=num_warps)
+        SOFTCAP=float(softcap or 0.0), FP8=fp8, num_warps=num_warps)
     return out

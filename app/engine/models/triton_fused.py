@@ -3,7 +3,8 @@ decode step is bounded by how many kernels it launches, not by their bytes (docs
 rotary alone was ten kernels per layer, the cache writes two more, SiLU * up two).
 
 - `rotary_store`: rotates q and k in place (rotate-half RoPE with the step's cos/sin rows) and
-  writes k and v into their cache slots: one launch instead of twelve.
+  writes k and v into their cache slots: one launch instead of twelve. An FP8 cache takes them
+  divided by the layer's scales, and qkv keeps them as stored (rounded through E4M3).
 - `silu_mul`: SiLU(gate) * up from the merged gate/up output: one launch instead of two.
 - `add_rms_norm`: the residual add and the next RMSNorm: one launch instead of two, and the sum
   is read once.
@@ -18,8 +19,9 @@ import triton.language as tl
 
 
 @triton.jit
-def _rotary_store_kernel(qkv_ptr, cos_ptr, sin_ptr, slots_ptr, k_cache_ptr, v_cache_ptr, stride_t, stride_rope,
-                         NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr):
+def _rotary_store_kernel(qkv_ptr, cos_ptr, sin_ptr, slots_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
+                         stride_t, stride_rope, NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+                         HALF: tl.constexpr, FP8: tl.constexpr):
     token = tl.program_id(0)
     head = tl.program_id(1)  # q heads, then k heads, then v heads of this token
     d = tl.arange(0, HALF)
@@ -32,27 +34,53 @@ def _rotary_store_kernel(qkv_ptr, cos_ptr, sin_ptr, slots_ptr, k_cache_ptr, v_ca
         sin = tl.load(sin_ptr + token * stride_rope + d).to(tl.float32)
         y1 = (x1 * cos - x2 * sin).to(qkv_ptr.dtype.element_ty)
         y2 = (x2 * cos + x1 * sin).to(qkv_ptr.dtype.element_ty)
-        tl.store(base + d, y1)
-        tl.store(base + HALF + d, y2)
         if head >= NUM_HEADS:
             cache = k_cache_ptr + slot * NUM_KV_HEADS * 2 * HALF + (head - NUM_HEADS) * 2 * HALF
-            tl.store(cache + d, y1)
-            tl.store(cache + HALF + d, y2)
+            if FP8:
+                y1, y2 = _store_fp8(cache, d, HALF, y1, y2, k_scale_ptr)
+            else:
+                tl.store(cache + d, y1)
+                tl.store(cache + HALF + d, y2)
+        tl.store(base + d, y1)
+        tl.store(base + HALF + d, y2)
     else:
         cache = v_cache_ptr + slot * NUM_KV_HEADS * 2 * HALF + (head - NUM_HEADS - NUM_KV_HEADS) * 2 * HALF
-        tl.store(cache + d, x1.to(qkv_ptr.dtype.element_ty))
-        tl.store(cache + HALF + d, x2.to(qkv_ptr.dtype.element_ty))
+        y1, y2 = x1.to(qkv_ptr.dtype.element_ty), x2.to(qkv_ptr.dtype.element_ty)
+        if FP8:
+            y1, y2 = _store_fp8(cache, d, HALF, y1, y2, v_scale_ptr)
+            tl.store(base + d, y1)
+            tl.store(base + HALF + d, y2)
+        else:
+            tl.store(cache + d, y1)
+            tl.store(cache + HALF + d, y2)
+
+
+@triton.jit
+def _store_fp8(cache, d, HALF: tl.constexpr, y1, y2, scale_ptr):
+    """Stores y / scale in the cache's E4M3 (in float32, saturating at +-448) and returns y as the
+    cache holds it, in y's dtype: what the step's own attention reads, as later steps will."""
+    scale = tl.load(scale_ptr)
+    fp8 = cache.dtype.element_ty
+    q1 = tl.minimum(tl.maximum(y1.to(tl.float32) / scale, -448.0), 448.0).to(fp8)
+    q2 = tl.minimum(tl.maximum(y2.to(tl.float32) / scale, -448.0), 448.0).to(fp8)
+    tl.store(cache + d, q1)
+    tl.store(cache + HALF + d, q2)
+    return (q1.to(tl.float32) * scale).to(y1.dtype), (q2.to(tl.float32) * scale).to(y2.dtype)
 
 
 def rotary_store(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, cos: torch.Tensor, sin: torch.Tensor,
-                 k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor):
+                 k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                 kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None):
     """qkv: [T, (H + 2 KVH) * D], rotated in place; cos, sin: [T, 1, D]; caches [blocks, block_size, KVH, D]
-    (contiguous). Returns the views q [T, H, D], k, v [T, KVH, D]."""
+    (contiguous); kv_scales: an FP8 cache's key and value scales, by which k and v are divided as
+    they are stored. Returns the views q [T, H, D], k, v [T, KVH, D], k and v as the cache holds them."""
     t, head_dim = qkv.shape[0], k_cache.shape[-1]
     if t:
+        fp8 = k_cache.dtype == torch.float8_e4m3fn
+        k_scale, v_scale = kv_scales if fp8 else (k_cache, v_cache)  # not read without FP8
         _rotary_store_kernel[(t, num_heads + 2 * num_kv_heads)](
-            qkv, cos, sin, slots, k_cache, v_cache, qkv.stride(0), cos.stride(0),
-            NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HALF=head_dim // 2)
+            qkv, cos, sin, slots, k_cache, v_cache, k_scale, v_scale, qkv.stride(0), cos.stride(0),
+            NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HALF=head_dim // 2, FP8=fp8)
     q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
     return q.view(t, num_heads, head_dim), k.view(t, num_kv_heads, head_dim), v.view(t, num_kv_heads, head_dim)
 

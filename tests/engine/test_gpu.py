@@ -307,6 +307,17 @@ def test_sliding_window_and_softcaps_within_bfloat16_tolerance(tmp_path, variant
         assert reference[token] >= reference.max() - 0.15  # greedy up to bf16 ties
 
 
+def _teacher_forced_agreement(engine, prompts, answers) -> float:
+    """How often the engine's top choice is the answer's next token, each answer fed back whole."""
+    agree = total = 0
+    for prompt, answer in zip(prompts, answers):
+        text = prompt + answer
+        scored = engine.generate([text], SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1))[0]
+        agree += sum(scored.prompt_top_logprobs[i][0][0] == text[i] for i in range(len(prompt), len(text)))
+        total += len(answer)
+    return agree / total
+
+
 def test_fp8_linears_in_cuda_graphs_agree_with_bfloat16(tiny_llama_dir):
     """quantization: fp8 on the device (torch._scaled_mm, row-wise scales). The layer: within FP8's
     precision of the float matmul, as on CPU (tests/engine/test_fp8.py). The engine, decode steps
@@ -333,13 +344,8 @@ def test_fp8_linears_in_cuda_graphs_agree_with_bfloat16(tiny_llama_dir):
     assert fp8.runner.shard.graphs is not None
     answers = [out.outputs[0].token_ids for out in bf16.generate(prompts, greedy)]
     assert all(len(out.outputs[0].token_ids) == 24 for out in fp8.generate(prompts, greedy))  # through the graphs
-    agree = total = 0
-    for prompt, answer in zip(prompts, answers):
-        text = prompt + answer
-        scored = fp8.generate([text], SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1))[0]
-        agree += sum(scored.prompt_top_logprobs[i][0][0] == text[i] for i in range(len(prompt), len(text)))
-        total += len(answer)
-    assert agree / total >= 0.6, agree / total
+    agreement = _teacher_forced_agreement(fp8, prompts, answers)
+    assert agreement >= 0.6, agreement
 
 
 @pytest.mark.parametrize("rows, outs, width", [(1, 384, 512), (7, 20480, 1024), (16, 384, 4096), (17, 384, 512),
@@ -445,10 +451,5 @@ def test_fp8_kv_cache_engine_in_cuda_graphs_agrees_with_bfloat16(tiny_llama_dir)
     assert fp8.runner.shard.kv_cache.dtype == torch.float8_e4m3fn and fp8.runner.shard.graphs is not None
     answers = [out.outputs[0].token_ids for out in bf16.generate(prompts, greedy)]
     assert all(len(out.outputs[0].token_ids) == 24 for out in fp8.generate(prompts, greedy))  # through the graphs
-    agree = total = 0
-    for prompt, answer in zip(prompts, answers):
-        text = prompt + answer
-        scored = fp8.generate([text], SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1))[0]
-        agree += sum(scored.prompt_top_logprobs[i][0][0] == text[i] for i in range(len(prompt), len(text)))
-        total += len(answer)
-    assert agree / total >= 0.65, agree / total
+    agreement = _teacher_forced_agreement(fp8, prompts, answers)
+    assert agreement >= 0.65, agreement

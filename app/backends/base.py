@@ -11,8 +11,10 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Protocol
 
+import numpy as np
+
 from app.config import ServiceConfig
-from app.engine.errors import InvalidRequestError
+from app.engine.errors import BackendError, InvalidRequestError
 from app.engine.guided import GrammarCompiler, Guide
 from app.engine.model_loader import read_model_config, resolve_model_dir
 from app.engine.sampling_params import SamplingParams, request_limits
@@ -83,15 +85,41 @@ def not_loaded(ref: AdapterRef) -> InvalidRequestError:
 
 
 def refuse_torch_only(params: SamplingParams, backend: str) -> None:
-    """Fields only the torch engine implements so far: refused by name, not silently ignored."""
-    # Logits: TensorRT-LLM has them (SamplingParams and the Triton model's inputs of these names),
-    # but neither our fakes nor the stop-sequence handling here carry their rows yet.
-    for name in ("top_logprobs", "logit_bias", "return_context_logits", "return_generation_logits"):
-        if getattr(params, name):
-            raise InvalidRequestError(name, f"is not supported by the {backend} backend yet")
+    """Fields only the torch engine implements so far: refused by name, not silently ignored.
+    (return_context_logits, return_generation_logits and logit_bias are carried by every backend.)"""
+    if params.top_logprobs:
+        raise InvalidRequestError("top_logprobs", f"is not supported by the {backend} backend yet")
     if params.prompt_logprobs is not None:  # 0 asks too: for the prompt tokens' own logprobs
         raise InvalidRequestError("prompt_logprobs", f"(echo with logprobs on /v1/completions) is not supported by "
                                                      f"the {backend} backend yet")
+
+
+def bias_row(logit_bias: dict[int, float], vocab: int) -> np.ndarray:
+    """logit_bias (checked already) as TensorRT-LLM's embedding bias: float32 [vocab], added to the
+    logits before sampling, zero where the request sets nothing."""
+    row = np.zeros(vocab, dtype=np.float32)
+    for token, bias in logit_bias.items():
+        row[token] = bias
+    return row
+
+
+# Why context logits may come short: a prefix served from the KV cache is not computed again, so it
+# may have no rows (NVIDIA's Model Optimizer LLM wrapper documents turning reuse off for them).
+CONTEXT_ROWS_HINT = ("with KV cache block reuse a cached prompt prefix may get no rows: set "
+                     "kv_cache_config.enable_block_reuse false to serve context logits")
+
+
+def logits_rows(tensor, rows: int, vocab: int, what: str, backend: str, hint: str = "") -> np.ndarray:
+    """A production backend's logits (a torch tensor or an array, [>= rows, >= vocab]) as our float32
+    [rows, vocab]: its first `rows` rows, and the model's vocabulary only (TensorRT-LLM may pad it
+    to vocab_size_padded). Fewer rows than tokens is the backend's failure, said plainly."""
+    if hasattr(tensor, "detach"):  # torch.Tensor: TensorRT-LLM's LLM API type
+        tensor = tensor.detach().float().cpu().numpy()
+    array = np.asarray(tensor, dtype=np.float32).reshape(-1, np.shape(tensor)[-1])
+    if len(array) < rows or array.shape[1] < vocab:
+        raise BackendError(backend, f"returned {what} of shape {list(array.shape)} where {rows} rows of a "
+                                    f"vocabulary of {vocab} were due{'; ' + hint if hint else ''}")
+    return np.ascontiguousarray(array[:rows, :vocab])
 
 
 CONTAINER = "nvcr.io/nvidia/tritonserver:<xx.yy>-trtllm-python-py3"
@@ -141,22 +169,28 @@ class ServedModel:
 class StopWatcher:
     """Stop sequences a backend does not handle as the portable engine does, given those semantics:
     a stop sequence counts once min_tokens are out, is cut from the output, and tokens that may
-    still begin one are held back until they cannot."""
+    still begin one are held back until they cannot. Each token's logprob and logits row (where
+    the request asks) are held and cut with it."""
 
     def __init__(self, stop_sequences: list[list[int]], min_tokens: int = 0):
         self.sequences = [list(s) for s in stop_sequences]
         self.min_tokens = min_tokens
         self.tokens: list[int] = []
         self.logprobs: list[float] = []
+        self.rows: list[np.ndarray | None] = []  # generation logits, [vocab] per token (None once emitted)
         self.emitted = 0
         self.matched: list[int] | None = None
 
-    def push(self, new: list[int], logprobs: list[float] | None,
-             final: bool) -> tuple[list[int], list[float] | None, list[int] | None]:
-        """Tokens (and their logprobs) to emit now, and the stop sequence that matched, if one did."""
+    def push(self, new: list[int], logprobs: list[float] | None, final: bool,
+             logits: np.ndarray | None = None) -> tuple[list[int], list[float] | None, np.ndarray | None,
+                                                        list[int] | None]:
+        """Tokens (their logprobs, their logits rows [tokens, vocab]) to emit now, and the stop
+        sequence that matched, if one did."""
         start = len(self.tokens)
         self.tokens += new
         self.logprobs += logprobs or []
+        if logits is not None:
+            self.rows += list(logits)
         upto = len(self.tokens)
         for end in range(max(start + 1, self.min_tokens), len(self.tokens) + 1):
             self.matched = next((s for s in self.sequences if self.tokens[max(end - len(s), 0):end] == s), None)
@@ -168,8 +202,12 @@ class StopWatcher:
         upto = max(upto, self.emitted)  # a stop sequence whose head was already sent: the rest is cut
         tokens = self.tokens[self.emitted:upto]
         probs = self.logprobs[self.emitted:upto] if logprobs is not None else None
+        rows = None
+        if logits is not None and upto > self.emitted:
+            rows = np.stack(self.rows[self.emitted:upto])
+            self.rows[self.emitted:upto] = [None] * (upto - self.emitted)
         self.emitted = upto
-        return tokens, probs, self.matched
+        return tokens, probs, rows, self.matched
 
     def _possible_start(self) -> int:
         """How many trailing tokens could still be the head of a stop sequence."""

@@ -13,11 +13,14 @@ from pathlib import Path
 import numpy as np
 
 from app.backends.base import (
+    CONTEXT_ROWS_HINT,
     OBJECT_SCHEMA,
     AdapterTable,
     ServedModel,
     StopWatcher,
+    bias_row,
     import_backend_package,
+    logits_rows,
     refuse_torch_only,
 )
 from app.backends.triton_repository import write_model_repository
@@ -128,6 +131,8 @@ class TritonBackend:
             "exclude_input_in_output": scalar(True, bool),
             "return_log_probs": scalar(params.logprobs, bool),
             "return_perf_metrics": scalar(True, bool),
+            "return_context_logits": scalar(params.return_context_logits, bool),
+            "return_generation_logits": scalar(params.return_generation_logits, bool),
         }
         # No end_id input means no end token, which is what ignore_eos asks for.
         if not params.ignore_eos:
@@ -139,6 +144,8 @@ class TritonBackend:
             inputs["stop_words_list"] = words_list(stops)
         if params.bad_token_ids:
             inputs["bad_words_list"] = words_list(params.bad_token_ids)
+        if params.logit_bias:  # [1, vocab]: the model squeezes the batch dimension away
+            inputs["embedding_bias"] = bias_row(params.logit_bias, self.served.limits.vocab_size)[None]
         return {**inputs, **guide}
 
     def guide_inputs(self, guide: Guide) -> dict[str, np.ndarray]:
@@ -215,7 +222,11 @@ class _Stream:
     The tensorrt_llm model streams new tokens per response (one sequence per response, named by
     sequence_index), marks only the last response `final`, and reports no finish reason; a final
     response may carry no outputs. Stop words stop it natively but stay in its output, so a
-    StopWatcher per sequence holds back and cuts them as the portable engine does."""
+    StopWatcher per sequence holds back and cuts them (with their logits rows) as the portable
+    engine does. Logits, where asked: context_logits [1, prompt, vocab padded] on a response after
+    the context phase (sent once, with the first delta that has them); generation_logits per
+    response, [1, tokens, beams, vocab padded] streaming or [1, beams, tokens, vocab padded] not
+    (executor Result.generationLogits with the batch dimension first): one beam here either way."""
 
     def __init__(self, backend: TritonBackend, request_id: str, params: SamplingParams, num_prompt: int):
         self.backend, self.request_id, self.params, self.num_prompt = backend, request_id, params, num_prompt
@@ -225,6 +236,8 @@ class _Stream:
         self.cumulative: dict[int, float] = {}
         self.done: set[int] = set()
         self.started = False
+        self.context_due = params.return_context_logits
+        self.vocab = backend.served.limits.vocab_size
         self.perf = None  # the latest response carrying perf metrics (a final response may carry none)
 
     async def outputs(self, responses):
@@ -241,10 +254,12 @@ class _Stream:
                     completions += [self._close(i) for i in closing if i not in self.done]
                 final = response.final
                 finished = final or len(self.done) == self.params.n
-                if completions or finished:
+                context = self._context(response) if self.context_due and response.outputs else None
+                if completions or finished or context is not None:
                     delta = RequestOutput(self.request_id, [], finished)
                     for completion in completions:  # one entry per output index
                         delta = merge_outputs(delta, RequestOutput(self.request_id, [completion], finished))
+                    delta.context_logits = context
                     delta.metrics = self._metrics(self.perf) if finished and self.perf is not None else None
                     yield delta
                 if finished:
@@ -263,6 +278,27 @@ class _Stream:
             raise
         except Exception as exc:  # noqa: BLE001 - Triton's own error, passed on in its words
             raise BackendError(self.backend.name, str(exc)) from None
+
+    def _context(self, response) -> np.ndarray | None:
+        """The prompt's logits rows, [prompt, vocab], from the first response that has them."""
+        logits = _array(response, "context_logits")
+        if logits is None:
+            return None
+        self.context_due = False
+        return logits_rows(logits, self.num_prompt, self.vocab, "context_logits", self.backend.name,
+                           hint=CONTEXT_ROWS_HINT)
+
+    def _rows(self, response, num_tokens: int) -> np.ndarray | None:
+        """This response's generation logits, one row per new token (rows past them dropped)."""
+        if not self.params.return_generation_logits:
+            return None
+        logits = _array(response, "generation_logits")
+        if logits is None and num_tokens:
+            raise BackendError(self.backend.name, "returned no generation_logits though the request asked for "
+                                                  "them (is the engine built with --gather_generation_logits?)")
+        if logits is None:
+            return np.zeros((0, self.vocab), np.float32)
+        return logits_rows(logits, num_tokens, self.vocab, "generation_logits", self.backend.name)
 
     def _completions(self, response) -> list[CompletionOutput]:
         ids = _array(response, "output_ids")[0]  # [beams, tokens]
@@ -287,21 +323,23 @@ class _Stream:
             watcher = self.watchers.setdefault(index, StopWatcher(self.stops, self.params.min_tokens))
             self.counts[index] = self.counts.get(index, 0) + len(tokens)
             self.cumulative[index] = cumulative
-            tokens, probs, matched = watcher.push(tokens, probs, final=False)
+            rows = self._rows(response, len(tokens))
+            tokens, probs, rows, matched = watcher.push(tokens, probs, final=False, logits=rows)
             finish, reason = None, None
             if matched is not None:
                 self.done.add(index)
                 finish, reason = "stop", (matched[0] if matched[0] in self.backend.eos_ids else matched)
-            out.append(CompletionOutput(index, tokens, probs, cumulative, finish, reason))
+            out.append(CompletionOutput(index, tokens, probs, cumulative, finish, reason, generation_logits=rows))
         return out
 
     def _close(self, index: int) -> CompletionOutput:
         """The end of a sequence the final response closed: held tokens flushed, finish reason inferred."""
         self.done.add(index)
         watcher = self.watchers.setdefault(index, StopWatcher(self.stops, self.params.min_tokens))
-        tokens, probs, _ = watcher.push([], [] if self.params.logprobs else None, final=True)
+        held = np.zeros((0, self.vocab), np.float32) if self.params.return_generation_logits else None
+        tokens, probs, rows, _ = watcher.push([], [] if self.params.logprobs else None, final=True, logits=held)
         return CompletionOutput(index, tokens, probs, self.cumulative.get(index, 0.0),
-                                *self._finish(self.counts.get(index, 0)))
+                                *self._finish(self.counts.get(index, 0)), generation_logits=rows)
 
     def _finish(self, generated: int) -> tuple[str, int | None]:
         """Under max_tokens with an end id set means the end id ended it."""

@@ -35,10 +35,12 @@ INPUTS = [
     ("num_return_sequences", "TYPE_INT32", "[ 1 ]"), ("lora_task_id", "TYPE_UINT64", "[ 1 ]"),
     ("lora_weights", "TYPE_FP16", "[ -1, -1 ]"), ("lora_config", "TYPE_INT32", "[ -1, 3 ]"),
     ("guided_decoding_guide_type", "TYPE_STRING", "[ 1 ]"), ("guided_decoding_guide", "TYPE_STRING", "[ 1 ]"),
+    ("return_context_logits", "TYPE_BOOL", "[ 1 ]"), ("return_generation_logits", "TYPE_BOOL", "[ 1 ]"),
+    ("embedding_bias", "TYPE_FP32", "[ -1 ]"),
 ]
 REQUIRED = {"input_ids", "input_lengths", "request_output_len"}
 RAGGED = {"input_ids", "stop_words_list", "bad_words_list", "lora_weights", "lora_config",
-          "guided_decoding_guide_type", "guided_decoding_guide"}
+          "guided_decoding_guide_type", "guided_decoding_guide", "embedding_bias"}
 TOKENIZER_INFO = "xgrammar_tokenizer_info.json"
 
 OUTPUTS = [
@@ -48,6 +50,9 @@ OUTPUTS = [
     ("kv_cache_reused_blocks", "TYPE_INT32", "[ 1 ]"), ("kv_cache_alloc_total_blocks", "TYPE_INT32", "[ 1 ]"),
     ("arrival_time_ns", "TYPE_INT64", "[ 1 ]"), ("first_scheduled_time_ns", "TYPE_INT64", "[ 1 ]"),
     ("first_token_time_ns", "TYPE_INT64", "[ 1 ]"), ("last_token_time_ns", "TYPE_INT64", "[ 1 ]"),
+    # Filled only for requests that ask (return_*_logits) of an engine built to gather them
+    # (trtllm-build --gather_context_logits / --gather_generation_logits: nothing in this file).
+    ("context_logits", "TYPE_FP32", "[ -1, -1 ]"), ("generation_logits", "TYPE_FP32", "[ -1, -1, -1 ]"),
 ]
 
 

@@ -12,12 +12,18 @@ import importlib
 import json
 from datetime import timedelta
 
+import numpy as np
+import torch  # TensorRT-LLM's own dependency: its SamplingParams takes tensors
+
 from app.backends.base import (
+    CONTEXT_ROWS_HINT,
     OBJECT_SCHEMA,
     AdapterTable,
     ServedModel,
     StopWatcher,
+    bias_row,
     import_backend_package,
+    logits_rows,
     refuse_torch_only,
 )
 from app.config import ServiceConfig
@@ -81,6 +87,11 @@ def llm_kwargs(config: ServiceConfig, model_dir: str) -> dict:
         kwargs["disable_overlap_scheduler"] = True
     if config.speculative_config is not None:
         kwargs["speculative_config"] = config.speculative_config
+    if config.max_logits_floats > 0:
+        # return_generation_logits needs the LLM built to gather them (an LlmArgs field); context
+        # logits need nothing more on the PyTorch workflow (a TensorRT engine must have been built
+        # with BuildConfig.gather_context_logits, which we do not set).
+        kwargs["gather_generation_logits"] = True
     if config.world_size > 1:
         # TensorRT-LLM's Ray orchestrator starts one worker actor per rank; inside a Serve replica
         # they land in the replica's placement group (config.engine_deployment_options).
@@ -130,7 +141,15 @@ class TrtllmBackend:
             bad_token_ids=single(params.bad_token_ids) or None, ignore_eos=params.ignore_eos,
             logprobs=1 if params.logprobs else None, n=params.n, best_of=params.beam_width if beam else None,
             use_beam_search=beam, length_penalty=params.length_penalty if beam else None,
-            guided_decoding=guided, detokenize=False, return_perf_metrics=True)
+            guided_decoding=guided, detokenize=False, return_perf_metrics=True,
+            return_context_logits=params.return_context_logits,
+            return_generation_logits=params.return_generation_logits, embedding_bias=self._bias(params))
+
+    def _bias(self, params: SamplingParams):
+        """logit_bias as SamplingParams.embedding_bias: a float32 tensor [vocab_size], or None."""
+        if not params.logit_bias:
+            return None
+        return torch.from_numpy(bias_row(params.logit_bias, self.served.limits.vocab_size))
 
     def guided_decoding(self, guide: Guide) -> object:
         """The request's GuidedDecodingParams, its guide checked first (400 if it does not parse)."""
@@ -161,10 +180,12 @@ class TrtllmBackend:
         self.in_flight += 1
         multi_token = [s for s in params.stop_token_ids if len(s) > 1]  # single ids stop natively
         watchers = [StopWatcher(multi_token, params.min_tokens) for _ in range(params.n)]
-        finished = False
+        finished, context_due = False, params.return_context_logits
         try:
             async for output in self._iterate(result):
                 delta, stopped = self._delta(request_id, output, watchers, params, len(prompt_token_ids))
+                if context_due and output.context_logits is not None:  # on the first delta that has them
+                    delta.context_logits, context_due = self._context_rows(output, len(prompt_token_ids)), False
                 if stopped:
                     result.abort()  # a multi-token stop sequence ended it: the executor frees the request
                 finished = delta.finished
@@ -194,20 +215,40 @@ class TrtllmBackend:
                 continue  # beams are rewritten as they go: sent whole at the end, as the portable engine does
             new = list(out.token_ids if beam else out.token_ids_diff)
             logprobs = self._logprobs(out, new, beam) if params.logprobs else None
+            rows = self._generation_rows(out, len(new)) if params.return_generation_logits else None
             finish, stop_reason = FINISH_REASONS.get(out.finish_reason), out.stop_reason
             if not beam:
                 watcher = watchers[out.index]
                 if watcher.matched is not None:
                     continue  # this output already ended on a stop sequence
-                new, logprobs, matched = watcher.push(new, logprobs, final=finish is not None)
+                new, logprobs, rows, matched = watcher.push(new, logprobs, final=finish is not None, logits=rows)
                 if matched is not None:
                     finish, stop_reason = "stop", matched
             completions.append(CompletionOutput(out.index, new, logprobs, out.cumulative_logprob or 0.0,
-                                                finish, stop_reason))
+                                                finish, stop_reason, generation_logits=rows))
         stopped = not beam and all(w.matched is not None for w in watchers)
         done = output.finished or stopped
         metrics = self._metrics(output, num_prompt) if done else None
         return RequestOutput(request_id, completions, done, metrics), stopped and not output.finished
+
+    def _context_rows(self, output, num_prompt: int):
+        """GenerationResult.context_logits, [prompt tokens, vocab]; fewer rows (a cached prefix may
+        get none) fail the request rather than go out short."""
+        return logits_rows(output.context_logits, num_prompt, self.served.limits.vocab_size, "context_logits",
+                           self.name, hint=CONTEXT_ROWS_HINT)
+
+    def _generation_rows(self, out, num_new: int):
+        """The new tokens' generation logits. Streaming, the LLM API's CompletionOutput.generation_logits
+        holds the latest response's rows, [tokens, vocab] (the PyTorch backend's
+        LlmResult.generation_logits keeps only the last chunk when streaming); rows past the tokens
+        (an end id or stop word cut from token_ids) are dropped."""
+        if num_new == 0:  # no rows, but tokens held for a stop sequence may still go out with theirs
+            return np.zeros((0, self.served.limits.vocab_size), np.float32)
+        if out.generation_logits is None:
+            raise BackendError(self.name, "returned no generation_logits though the request asked for them (is "
+                                          "the LLM built with gather_generation_logits?)")
+        return logits_rows(out.generation_logits, num_new, self.served.limits.vocab_size, "generation_logits",
+                           self.name)
 
     @staticmethod
     def _logprobs(out, new: list[int], beam: bool) -> list[float]:

@@ -71,3 +71,60 @@ def greedy_stream(backend, hf_model, prompt, max_tokens=24):
     assert len(deltas) > 1 and deltas[-1].finished and not any(d.finished for d in deltas[:-1])
     assert len(out.logprobs) == len(out.token_ids)
     return merged
+
+
+def check_logits_stream(deltas, merged, ref, prompt_len: int, vocab: int, tokens: int) -> None:
+    """A backend's logits as the torch engine sends them: context rows on the first delta only, one
+    generation row per token in every delta, the whole equal (shapes and values) to `ref`'s."""
+    import numpy as np
+
+    assert deltas[0].context_logits is not None and all(d.context_logits is None for d in deltas[1:])
+    assert merged.context_logits.dtype == np.float32 and merged.context_logits.shape == (prompt_len, vocab)
+    np.testing.assert_array_equal(merged.context_logits, ref.context_logits)
+    for d in deltas:
+        for c in d.outputs:
+            assert (0 if c.generation_logits is None else len(c.generation_logits)) == len(c.token_ids)
+    out = merged.outputs[0]
+    assert out.token_ids == ref.outputs[0].token_ids and out.generation_logits.shape == (tokens, vocab)
+    np.testing.assert_array_equal(out.generation_logits, ref.outputs[0].generation_logits)
+
+
+def check_sampled_n_logits(backend, model_dir, prompt) -> None:
+    """Two seeded sampled outputs asking generation logits: tokens and rows equal the torch engine's."""
+    import numpy as np
+
+    from app.engine import SamplingParams
+
+    sampled = SamplingParams(max_tokens=6, temperature=0.8, seed=3, n=2, return_generation_logits=True)
+    _, merged = collect(backend, prompt, sampled)
+    ref = engine_reference(model_dir, prompt, sampled)
+    assert merged.context_logits is None
+    for ours, theirs in zip(merged.outputs, ref.outputs, strict=True):
+        assert ours.token_ids == theirs.token_ids
+        np.testing.assert_array_equal(ours.generation_logits, theirs.generation_logits)
+
+
+def check_refused_as_the_engine_refuses(backend, prompt, params, limits, field: str) -> None:
+    """The backend refuses the request with the torch engine's own 400, word for word."""
+    from app.engine.errors import InvalidRequestError
+    from app.engine.sampling_params import validate_request
+
+    with pytest.raises(InvalidRequestError) as err:
+        collect(backend, prompt, params)
+    with pytest.raises(InvalidRequestError) as torch_err:
+        validate_request(prompt, params, limits)
+    assert err.value.field == field and err.value.status == 400 and "max_logits_floats" in err.value.message
+    assert str(err.value) == str(torch_err.value)
+
+
+def check_logit_bias(backend, model_dir, prompt, sent_as_expected=lambda: True) -> None:
+    """-100 on the greedy choice bans it, +100 on another token forces it: the torch engine's tokens
+    for the same logit_bias. `sent_as_expected` checks each request as the backend sent it."""
+    from app.engine import SamplingParams
+
+    greedy = engine_reference(model_dir, prompt, SamplingParams(max_tokens=6, temperature=0.0)).outputs[0]
+    for bias in ({greedy.token_ids[0]: -100.0}, {1780: 100.0}):
+        params = SamplingParams(max_tokens=6, temperature=0.0, logit_bias=bias)
+        _, merged = collect(backend, prompt, params)
+        assert merged.outputs[0].token_ids == engine_reference(model_dir, prompt, params).outputs[0].token_ids
+        assert merged.outputs[0].token_ids != greedy.token_ids and sent_as_expected()

@@ -12,7 +12,9 @@ from app.engine import InvalidRequestError, SamplingParams
 from app.engine.errors import BackendError
 from app.engine.guided import Guide
 from app.protocol.messages import AdapterRef
-from tests.backends.conftest import collect, engine_reference, greedy_stream, service_config
+from tests.backends.conftest import (check_logit_bias, check_logits_stream, check_refused_as_the_engine_refuses,
+                                     check_sampled_n_logits, collect, engine_reference, greedy_stream,
+                                     service_config)
 from tests.backends.test_trtllm_backend import PROMPT, SCHEMA, TAG
 
 # config.pbtxt parameters of the seeds' inflight_batcher_llm tensorrt_llm model that we fill.
@@ -71,6 +73,11 @@ def test_repository_follows_the_seeds_config(smollm2_dir, tmp_path):
     assert "guided_decoding_backend" not in p  # on only with the tokenizer info written beside it
     assert {"output_ids", "sequence_length", "cum_log_probs", "output_log_probs", "sequence_index",
             "arrival_time_ns", "kv_cache_reused_blocks"} <= set(parsed["outputs"])
+    for name in ("return_context_logits", "return_generation_logits"):  # as the seeds' model declares them
+        assert inputs[name] == {"type": "TYPE_BOOL", "dims": [1], "optional": True}
+    assert inputs["embedding_bias"] == {"type": "TYPE_FP32", "dims": [-1], "optional": True}
+    assert parsed["outputs"]["context_logits"] == {"type": "TYPE_FP32", "dims": [-1, -1], "optional": False}
+    assert parsed["outputs"]["generation_logits"]["dims"] == [-1, -1, -1]
 
 
 def test_the_written_repository_turns_guided_decoding_on(smollm2_dir, tmp_path):
@@ -150,9 +157,17 @@ def test_every_field_becomes_its_input_tensor(backend):
     assert backend.inputs(PROMPT, SamplingParams(temperature=0.0))["runtime_top_k"][0, 0] == 1
     with pytest.raises(InvalidRequestError, match="min_p"):
         backend.inputs(PROMPT, SamplingParams(min_p=0.1))
-    for name in ("return_context_logits", "return_generation_logits"):  # refused by name, not ignored
+    assert not x["return_context_logits"][0, 0] and not x["return_generation_logits"][0, 0]
+    logits = backend.inputs(PROMPT, SamplingParams(return_context_logits=True, return_generation_logits=True))
+    assert logits["return_context_logits"].dtype == bool and logits["return_context_logits"].tolist() == [[True]]
+    assert logits["return_generation_logits"].tolist() == [[True]]
+    assert "embedding_bias" not in x
+    bias = backend.inputs(PROMPT, SamplingParams(logit_bias={5: 2.5, 17: -100.0}))["embedding_bias"]
+    assert bias.dtype == np.float32 and bias.shape == (1, backend.served.limits.vocab_size)
+    assert np.flatnonzero(bias).tolist() == [5, 17] and (bias[0, 5], bias[0, 17]) == (2.5, -100.0)
+    for name, value in (("top_logprobs", 2), ("prompt_logprobs", 0)):
         with pytest.raises(InvalidRequestError, match="not supported by the triton backend") as err:
-            backend.inputs(PROMPT, SamplingParams(**{name: True}))
+            backend.inputs(PROMPT, SamplingParams(**{name: value}))  # refused by name, not ignored
         assert err.value.field == name
 
 
@@ -249,3 +264,60 @@ def test_missing_package_is_one_sentence(smollm2_dir, tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "tritonserver", None)
     with pytest.raises(RuntimeError, match=r"needs the 'tritonserver' package"):
         TritonBackend(triton_config(smollm2_dir, tmp_path), {})
+
+
+LOGITS = dict(return_context_logits=True, return_generation_logits=True)
+
+
+def test_logits_stream_as_the_torch_engine_sends_them(backend, smollm2_dir):
+    """context_logits [1, prompt, vocab] and generation_logits [1, tokens, 1, vocab] per response
+    become the torch engine's deltas: context rows once, one generation row per new token, equal
+    (shapes and values) to what the model computed."""
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, **LOGITS)
+    deltas, merged = collect(backend, PROMPT, params)
+    ref = engine_reference(smollm2_dir, PROMPT, params)
+    vocab = backend.served.limits.vocab_size
+    assert last_request(backend)["return_generation_logits"].tolist() == [True]
+    check_logits_stream(deltas, merged, ref, len(PROMPT), vocab, 8)
+
+
+def test_logits_follow_n_beams_and_stop_words(backend, smollm2_dir):
+    check_sampled_n_logits(backend, smollm2_dir, PROMPT)
+    beams = SamplingParams(max_tokens=6, beam_width=2, return_context_logits=True)  # one final response
+    _, merged = collect(backend, PROMPT, beams)
+    np.testing.assert_array_equal(merged.context_logits, engine_reference(smollm2_dir, PROMPT, beams).context_logits)
+    greedy = engine_reference(smollm2_dir, PROMPT, SamplingParams(max_tokens=24, temperature=0.0)).outputs[0]
+    for stop, most in (([greedy.token_ids[4]], 24), (greedy.token_ids[5:7], 24), ([greedy.token_ids[5], 7], 6)):
+        # kept in output_ids: cut here, rows too; a head held back until the end goes out with its rows
+        stopped = SamplingParams(max_tokens=most, temperature=0.0, stop_token_ids=[stop], **LOGITS)
+        _, merged = collect(backend, PROMPT, stopped)
+        out, theirs = merged.outputs[0], engine_reference(smollm2_dir, PROMPT, stopped).outputs[0]
+        assert out.token_ids == theirs.token_ids and len(out.generation_logits) == len(out.token_ids)
+        np.testing.assert_array_equal(out.generation_logits, theirs.generation_logits)
+
+
+def test_logits_over_the_limit_are_refused_before_triton(backend, monkeypatch):
+    from dataclasses import replace
+
+    vocab = backend.served.limits.vocab_size
+    limits = replace(backend.served.limits, max_logits_floats=vocab * 20)  # 20 rows
+    monkeypatch.setattr(backend.served, "limits", limits)
+    model = backend.server._loaded["tensorrt_llm"]
+    sent = len(model.requests)
+    for prompt, params, field in ((PROMPT, SamplingParams(max_tokens=8, **LOGITS), "return_generation_logits"),
+                                  (PROMPT * 2, SamplingParams(max_tokens=2, return_context_logits=True),
+                                   "return_context_logits")):
+        check_refused_as_the_engine_refuses(backend, prompt, params, limits, field)
+    assert len(model.requests) == sent  # none reached Triton
+
+
+def test_short_or_missing_logits_are_the_backends_failure(backend, monkeypatch):
+    model = backend.server._loaded["tensorrt_llm"]
+    monkeypatch.setattr(model, "outputs", model.outputs - {"generation_logits"})  # a model that does not answer
+    with pytest.raises(BackendError, match="no generation_logits .*--gather_generation_logits"):
+        collect(backend, PROMPT, SamplingParams(max_tokens=2, return_generation_logits=True))
+
+
+def test_logit_bias_is_the_embedding_bias(backend, smollm2_dir):
+    vocab = backend.served.limits.vocab_size
+    check_logit_bias(backend, smollm2_dir, PROMPT, lambda: last_request(backend)["embedding_bias"].shape == (vocab,))

@@ -2,14 +2,19 @@
 guides, streaming, abort, stop sequences, LoRA, errors."""
 import json
 import sys
+from dataclasses import replace
 
+import numpy as np
 import pytest
+import torch
 
 from app.engine import InvalidRequestError, SamplingParams
 from app.engine.errors import BackendError
 from app.engine.guided import Guide
 from app.protocol.messages import AdapterRef
-from tests.backends.conftest import collect, engine_reference, greedy_stream, service_config
+from tests.backends.conftest import (check_logit_bias, check_logits_stream, check_refused_as_the_engine_refuses,
+                                     check_sampled_n_logits, collect, engine_reference, greedy_stream,
+                                     service_config)
 
 PROMPT = [1, 9690, 198, 2683, 314, 260, 3575, 282, 4649, 47, 2, 198, 1, 4093, 198]
 SCHEMA = '{"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}'
@@ -31,6 +36,8 @@ def backend(smollm2_dir, lora_root):
 
 
 def test_config_keys_reach_llm_as_model_yaml_does(backend, smollm2_dir):
+    from app.backends.trtllm import llm_kwargs
+
     args = backend.llm.args
     # The tokenizer is loaded (the default): the xgrammar backend builds its vocabulary from it.
     assert args["model"] == str(smollm2_dir) and args["skip_tokenizer_init"] is False
@@ -45,6 +52,9 @@ def test_config_keys_reach_llm_as_model_yaml_does(backend, smollm2_dir):
     assert args["lora_config"] == {"max_lora_rank": 64, "max_loras": 8, "max_cpu_loras": 64}
     assert args["enable_chunked_prefill"] is True and args["trust_remote_code"] is False
     assert args["disable_overlap_scheduler"] is True
+    assert args["gather_generation_logits"] is True  # max_logits_floats > 0: generation logits can be asked
+    no_logits = llm_kwargs(service_config(smollm2_dir, backend="trtllm", max_logits_floats=0), str(smollm2_dir))
+    assert "gather_generation_logits" not in no_logits
 
 
 def test_every_sampling_field_maps(backend):
@@ -66,9 +76,16 @@ def test_every_sampling_field_maps(backend):
     assert backend.sampling_params(SamplingParams()).stop_token_ids == (backend.eos_ids[1:] or None)
     with pytest.raises(InvalidRequestError, match="bad_words"):
         backend.sampling_params(SamplingParams(bad_token_ids=[[1, 2]]))
-    for name in ("return_context_logits", "return_generation_logits"):  # refused by name, not ignored
+    assert (sp.return_context_logits, sp.return_generation_logits) == (False, False)
+    logits = backend.sampling_params(SamplingParams(return_context_logits=True, return_generation_logits=True))
+    assert (logits.return_context_logits, logits.return_generation_logits) == (True, True)
+    assert sp.embedding_bias is None
+    bias = backend.sampling_params(SamplingParams(logit_bias={5: 2.5, 17: -100.0})).embedding_bias
+    assert bias.dtype == torch.float32 and bias.shape == (backend.served.limits.vocab_size,)
+    assert bias.nonzero().flatten().tolist() == [5, 17] and (bias[5].item(), bias[17].item()) == (2.5, -100.0)
+    for name, value in (("top_logprobs", 2), ("prompt_logprobs", 0)):
         with pytest.raises(InvalidRequestError, match="not supported by the trtllm backend") as err:
-            backend.sampling_params(SamplingParams(**{name: True}))
+            backend.sampling_params(SamplingParams(**{name: value}))  # refused by name, not ignored
         assert err.value.field == name
 
 
@@ -206,3 +223,77 @@ def test_parallel_configs_use_the_ray_orchestrator(smollm2_dir):
     assert (kwargs["tensor_parallel_size"], kwargs["pipeline_parallel_size"]) == (2, 2)
     assert kwargs["orchestrator_type"] == "ray" and kwargs["enable_attention_dp"] is False
     assert "orchestrator_type" not in llm_kwargs(service_config(smollm2_dir, backend="trtllm"), str(smollm2_dir))
+
+
+LOGITS = dict(return_context_logits=True, return_generation_logits=True)
+
+
+def test_logits_stream_as_the_torch_engine_sends_them(backend, smollm2_dir):
+    """Context logits [prompt, vocab] with the first delta; each delta's generation logits one row per
+    new token; the whole equal (shapes and values) to what the fake's engine computed."""
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, **LOGITS)
+    deltas, merged = collect(backend, PROMPT, params)
+    ref = engine_reference(smollm2_dir, PROMPT, params)
+    vocab = backend.served.limits.vocab_size
+    check_logits_stream(deltas, merged, ref, len(PROMPT), vocab, 8)
+    assert backend.llm.requests[-1]["sampling_params"].return_generation_logits is True
+
+
+def test_logits_follow_n_and_stop_sequences(backend, smollm2_dir):
+    check_sampled_n_logits(backend, smollm2_dir, PROMPT)
+    greedy = engine_reference(smollm2_dir, PROMPT, SamplingParams(max_tokens=24, temperature=0.0)).outputs[0]
+    stopped = SamplingParams(max_tokens=24, temperature=0.0, stop_token_ids=[greedy.token_ids[5:7]], **LOGITS)
+    _, merged = collect(backend, PROMPT, stopped)
+    out = merged.outputs[0]  # the stop sequence's rows are cut with its tokens, as the torch engine cuts them
+    assert out.token_ids == greedy.token_ids[:5] and out.generation_logits.shape[0] == 5
+    np.testing.assert_array_equal(out.generation_logits, engine_reference(smollm2_dir, PROMPT, stopped)
+                                  .outputs[0].generation_logits)
+    # a head held back until the end (by length): its rows go out with it
+    held = SamplingParams(max_tokens=6, temperature=0.0, stop_token_ids=[[greedy.token_ids[5], 7]], **LOGITS)
+    _, merged = collect(backend, PROMPT, held)
+    out = merged.outputs[0]
+    assert out.token_ids == greedy.token_ids[:6] and out.generation_logits.shape[0] == 6
+    np.testing.assert_array_equal(out.generation_logits,
+                                  engine_reference(smollm2_dir, PROMPT, held).outputs[0].generation_logits)
+
+
+def test_logits_over_the_limit_are_refused_before_the_llm(backend, monkeypatch):
+    vocab = backend.served.limits.vocab_size
+    limits = replace(backend.served.limits, max_logits_floats=vocab * 20)  # 20 rows
+    monkeypatch.setattr(backend.served, "limits", limits)
+    sent = len(backend.llm.requests)
+    for prompt, params, field in ((PROMPT, SamplingParams(max_tokens=8, **LOGITS), "return_generation_logits"),
+                                  (PROMPT, SamplingParams(max_tokens=30, return_generation_logits=True),
+                                   "return_generation_logits"),
+                                  (PROMPT * 2, SamplingParams(max_tokens=2, return_context_logits=True),
+                                   "return_context_logits")):
+        check_refused_as_the_engine_refuses(backend, prompt, params, limits, field)
+    assert len(backend.llm.requests) == sent  # none reached TensorRT-LLM
+    _, merged = collect(backend, PROMPT, SamplingParams(max_tokens=2, return_context_logits=True))  # 15 rows fit
+    assert merged.context_logits.shape == (len(PROMPT), vocab)
+
+
+def test_short_or_missing_logits_are_the_backends_failure(backend, monkeypatch):
+    from tensorrt_llm.executor import GenerationResult
+
+    short = lambda self: torch.zeros(3, backend.served.limits.vocab_size)  # noqa: E731 - a cached prefix's rows
+    monkeypatch.setattr(GenerationResult, "context_logits", property(short))
+    with pytest.raises(BackendError, match="context_logits of shape \\[3, .*enable_block_reuse false"):
+        collect(backend, PROMPT, SamplingParams(max_tokens=2, return_context_logits=True))
+    monkeypatch.undo()
+    original = GenerationResult._handle
+
+    def no_rows(self, item):
+        original(self, item)
+        for out in self._outputs:
+            out.generation_logits = None
+
+    monkeypatch.setattr(GenerationResult, "_handle", no_rows)
+    with pytest.raises(BackendError, match="no generation_logits .*gather_generation_logits"):
+        collect(backend, PROMPT, SamplingParams(max_tokens=2, return_generation_logits=True))
+
+
+def test_logit_bias_is_the_embedding_bias(backend, smollm2_dir):
+    """+100 on one token forces it, -100 on the greedy choice bans it: the same tokens as logit_bias
+    on the torch engine."""
+    check_logit_bias(backend, smollm2_dir, PROMPT)

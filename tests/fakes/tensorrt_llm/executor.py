@@ -1,6 +1,9 @@
 """Follows tensorrt_llm/executor/request.py (LoRARequest) and executor/result.py (CompletionOutput,
 GenerationResult: async iteration of cumulative outputs, abort()); perf metrics follow the
-bindings' RequestPerfMetrics (timing_metrics as timedeltas, kv_cache_metrics counts)."""
+bindings' RequestPerfMetrics (timing_metrics as timedeltas, kv_cache_metrics counts). Logits follow
+result.py and the PyTorch backend's LlmResult: GenerationResult.context_logits [prompt tokens, vocab]
+once the context phase is done; CompletionOutput.generation_logits [tokens, vocab], streaming the
+latest response's rows only (LlmResult keeps all rows only when not streaming)."""
 from __future__ import annotations
 
 import asyncio
@@ -8,6 +11,8 @@ import os
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Literal, Optional, Union
+
+import torch
 
 
 class RequestError(RuntimeError):
@@ -76,6 +81,7 @@ class CompletionOutput:
     prompt_logprobs: Optional[list] = field(default_factory=list)
     finish_reason: Optional[Literal["stop", "length", "timeout", "cancelled"]] = None
     stop_reason: Optional[Union[int, str]] = None
+    generation_logits: Optional[torch.Tensor] = None
     request_perf_metrics: Optional[RequestPerfMetrics] = None
     _last_token_ids_len: int = field(default=0, init=False, repr=False)
     _last_logprobs_len: int = field(default=0, init=False, repr=False)
@@ -103,6 +109,7 @@ class GenerationResult:
         self._streaming = streaming
         self._executor = executor
         self._outputs = [CompletionOutput(i) for i in range(sampling_params.best_of)]
+        self._context_logits: Optional[torch.Tensor] = None
         self._queue: asyncio.Queue = asyncio.Queue()  # (engine RequestOutput | BaseException)
         self._done = False
         self._aborted = False
@@ -111,6 +118,10 @@ class GenerationResult:
     @property
     def outputs(self) -> list[CompletionOutput]:
         return self._outputs[:self.sampling_params.n]
+
+    @property
+    def context_logits(self) -> Optional[torch.Tensor]:
+        return self._context_logits
 
     @property
     def finished(self) -> bool:
@@ -151,10 +162,16 @@ class GenerationResult:
             if c.logprobs is not None and self.sampling_params.logprobs:
                 out.logprobs = out.logprobs + [{t: Logprob(p, 1)} for t, p in zip(c.token_ids, c.logprobs)]
             out.cumulative_logprob = c.cumulative_logprob
+            if c.generation_logits is not None and self.sampling_params.return_generation_logits:
+                rows = torch.from_numpy(c.generation_logits)
+                keep = out.generation_logits is not None and not self._streaming
+                out.generation_logits = torch.cat([out.generation_logits, rows]) if keep else rows
             if c.finish_reason is not None:
                 out.finish_reason = {"abort": "cancelled"}.get(c.finish_reason, c.finish_reason)
                 reason = c.stop_reason
                 out.stop_reason = reason[0] if isinstance(reason, list) and len(reason) == 1 else reason
+        if item.context_logits is not None and self.sampling_params.return_context_logits:
+            self._context_logits = torch.from_numpy(item.context_logits)
         self._done = item.finished
         if item.finished and item.metrics is not None and self.sampling_params.return_perf_metrics:
             m = item.metrics

@@ -19,7 +19,7 @@ RequestOutput = GenerationResult
 LLM_ARGS = {"pipeline_parallel_size", "max_batch_size", "max_num_tokens", "max_seq_len", "max_beam_width",
             "enable_chunked_prefill", "kv_cache_config", "scheduler_config", "cuda_graph_config",
             "speculative_config", "enable_lora", "lora_config", "backend", "orchestrator_type",
-            "disable_overlap_scheduler", "guided_decoding_backend"}
+            "disable_overlap_scheduler", "guided_decoding_backend", "gather_generation_logits"}
 
 
 class LLM:
@@ -111,4 +111,13 @@ def engine_params(sp) -> EngineParams:
         frequency_penalty=sp.frequency_penalty or 0.0, min_tokens=sp.min_tokens or 0,
         stop_token_ids=[[t] for t in sp.stop_token_ids or []], bad_token_ids=[[t] for t in sp.bad_token_ids or []],
         ignore_eos=sp.ignore_eos, logprobs=bool(sp.logprobs), n=sp.n, beam_width=sp.best_of if beam else 1,
-        length_penalty=sp.length_penalty if sp.length_penalty is not None else 1.0)
+        length_penalty=sp.length_penalty if sp.length_penalty is not None else 1.0,
+        return_context_logits=sp.return_context_logits, return_generation_logits=sp.return_generation_logits,
+        logit_bias=_bias(sp.embedding_bias))
+
+
+def _bias(embedding_bias) -> dict[int, float]:
+    """The embedding bias (added to the logits) as the portable engine's logit_bias."""
+    if embedding_bias is None:
+        return {}
+    return {int(i): float(embedding_bias[i]) for i in embedding_bias.nonzero().flatten().tolist()}

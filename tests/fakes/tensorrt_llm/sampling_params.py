@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import List, Optional, Union
 
+import torch
 from pydantic import BaseModel
 
 
@@ -33,6 +34,7 @@ class SamplingParams:
     stop: Optional[Union[str, List[str]]] = None
     stop_token_ids: Optional[List[int]] = None
     include_stop_str_in_output: bool = False
+    embedding_bias: Optional[torch.Tensor] = None
     n: int = 1
     best_of: Optional[int] = None
     use_beam_search: bool = False
@@ -48,6 +50,8 @@ class SamplingParams:
     min_p: Optional[float] = None
     logprobs: Optional[int] = None
     prompt_logprobs: Optional[int] = None
+    return_context_logits: bool = False
+    return_generation_logits: bool = False
     exclude_input_from_output: bool = True
     return_perf_metrics: bool = False
     guided_decoding: Optional[GuidedDecodingParams] = None
@@ -57,6 +61,11 @@ class SamplingParams:
     skip_special_tokens: bool = True
 
     def __post_init__(self):
+        if self.embedding_bias is not None:  # a [vocab_size] float32 tensor, added to the logits
+            if isinstance(self.embedding_bias, torch.Tensor):
+                self.embedding_bias = self.embedding_bias.detach().clone()
+            else:
+                self.embedding_bias = torch.tensor(self.embedding_bias, dtype=torch.float32)
         if self.best_of is None:
             self.best_of = self.n
         if self.best_of < self.n:

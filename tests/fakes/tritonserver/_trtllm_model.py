@@ -2,7 +2,10 @@
 against config.pbtxt as Triton checks them, then the behaviours the backend documents: new tokens
 per response when streaming, one response per sequence (sequence_index), `final` on the last one
 only, no finish reason, stop words kept in output_ids, no end_id meaning no end token, LoRA weights
-sent with a task id's first request and cached (LRU) after, perf metrics on request. Guided
+sent with a task id's first request and cached (LRU) after, perf metrics on request, logits on
+request where config.pbtxt declares the outputs (model_instance_state.cc: context_logits
+[1, prompt, vocab] once the context phase is done, generation_logits [1, tokens, beams, vocab]
+streaming or [1, beams, tokens, vocab] not; kept stop words keep their rows). Guided
 decoding (guided_decoding_backend + xgrammar_tokenizer_info_path, read at load as
 model_instance_state.cc does; the guided_decoding_guide_type/_guide inputs as utils.cc maps them)
 is recorded, not enforced: the portable engine underneath runs unguided."""
@@ -19,6 +22,7 @@ from tritonserver._api import DataType, InferenceResponse, InvalidArgumentError,
 
 from app.engine import SamplingParams
 from app.engine.llm_engine import merge_outputs
+from app.engine.model_loader import read_model_config
 from app.engine.outputs import RequestOutput
 from tests.fakes._engine import start_engine
 
@@ -55,6 +59,8 @@ class TensorrtLlmModel:
         self.lora_cache: OrderedDict[int, str] = OrderedDict()  # task id -> weights folder
         self.lora_cache_slots = 8
         self.guided_decoding = _guided_decoding_config(p)
+        self.outputs = set(config.get("outputs", {}))  # what a request may be answered with
+        self.vocab = read_model_config(Path(p["gpt_model_path"])).vocab_size
         self.requests: list[dict] = []  # each request's input arrays, for contract tests
         self.guides: list[tuple[str, str | None] | None] = []  # each request's guide as the executor gets it
         self._ids = 0
@@ -99,7 +105,10 @@ class TensorrtLlmModel:
             frequency_penalty=scalar("frequency_penalty", 0.0), min_tokens=scalar("min_tokens", 0),
             stop_token_ids=_words(values.get("stop_words_list")), bad_token_ids=_words(values.get("bad_words_list")),
             logprobs=bool(scalar("return_log_probs", False)), beam_width=scalar("beam_width", 1),
-            n=scalar("num_return_sequences", 1))
+            n=scalar("num_return_sequences", 1), logit_bias=_bias(values.get("embedding_bias")),
+            return_context_logits=bool(scalar("return_context_logits", False)) and "context_logits" in self.outputs,
+            return_generation_logits=bool(scalar("return_generation_logits", False))
+            and "generation_logits" in self.outputs)
         self._ids += 1
         request = _Request()
         request.task = asyncio.get_running_loop().create_task(
@@ -113,13 +122,18 @@ class TensorrtLlmModel:
             perf = bool(values.get("return_perf_metrics", [False])[0])
             whole = None
             async for item in self.engine.generate(rid, prompt, params, adapter):
-                outs = [self._kept_stop_words(c) for c in item.outputs]
+                outs = [self._kept_stop_words(c, params) for c in item.outputs]
                 if params.beam_width > 1 or not streaming:
-                    whole = merge_outputs(whole, RequestOutput(rid, outs, item.finished))
+                    whole = merge_outputs(whole, RequestOutput(rid, outs, item.finished,
+                                                               context_logits=item.context_logits))
                     if not item.finished:
                         continue
                     outs = whole.outputs
-                responses = self._responses(outs, params, beams=params.beam_width > 1)
+                responses = self._responses(outs, params, beams=params.beam_width > 1, streaming=streaming)
+                context = (whole or item).context_logits  # not streaming: the whole request's, at its end
+                if context is not None:  # with the first response after the context phase
+                    responses = responses or [{}]
+                    responses[0]["context_logits"] = context[None]
                 if item.finished:
                     if not responses:
                         responses = [{}]
@@ -133,7 +147,7 @@ class TensorrtLlmModel:
         except Exception as exc:  # noqa: BLE001 - the backend reports a failed request in its final response
             put(InferenceResponse(None, rid, error=TritonError(str(exc)), final=True))
 
-    def _responses(self, outs, params: SamplingParams, beams: bool) -> list[dict]:
+    def _responses(self, outs, params: SamplingParams, beams: bool, streaming: bool = True) -> list[dict]:
         if beams:  # one response, every beam
             width = max(len(c.token_ids) for c in outs)
             ids = np.full((1, len(outs), width), params.end_id or 0, dtype=np.int32)
@@ -150,16 +164,21 @@ class TensorrtLlmModel:
                         "sequence_index": np.array([[c.index]], np.int32)}
             if params.logprobs:
                 response["output_log_probs"] = np.array([[c.logprobs or []]], np.float32).reshape(1, 1, -1)
+            if params.return_generation_logits and c.generation_logits is not None:
+                rows = c.generation_logits  # [tokens, vocab]: one beam
+                response["generation_logits"] = rows[None, :, None] if streaming else rows[None, None]
             responses.append(response)
         return responses
 
-    @staticmethod
-    def _kept_stop_words(c):
+    def _kept_stop_words(self, c, params: SamplingParams):
         """TensorRT-LLM leaves a matched stop word in output_ids; the portable engine cuts it."""
         if c.finish_reason == "stop" and isinstance(c.stop_reason, list):
             c.token_ids = list(c.token_ids) + c.stop_reason
             if c.logprobs is not None:
                 c.logprobs = list(c.logprobs) + [0.0] * len(c.stop_reason)
+            if params.return_generation_logits:  # their rows as well (zeros here: the engine cut the real ones)
+                rows = c.generation_logits if c.generation_logits is not None else np.zeros((0, self.vocab), np.float32)
+                c.generation_logits = np.concatenate([rows, np.zeros((len(c.stop_reason), self.vocab), np.float32)])
         return c
 
     async def _lora(self, values) -> str | None:
@@ -209,6 +228,14 @@ def _guide(values: dict) -> tuple[str, str | None] | None:
         return None
     guide = values.get("guided_decoding_guide")
     return kind.reshape(-1)[0].decode(), None if guide is None else guide.reshape(-1)[0].decode()
+
+
+def _bias(array) -> dict[int, float]:
+    """embedding_bias ([vocab] once the batch dimension is gone; empty: none) as logit_bias."""
+    if array is None or array.size == 0:
+        return {}
+    flat = array.reshape(-1)
+    return {int(i): float(flat[i]) for i in np.flatnonzero(flat)}
 
 
 def _words(array) -> list[list[int]]:

@@ -122,6 +122,22 @@ def logits_rows(tensor, rows: int, vocab: int, what: str, backend: str, hint: st
     return np.ascontiguousarray(array[:rows, :vocab])
 
 
+def context_rows(tensor, num_prompt: int, vocab: int, backend: str) -> np.ndarray:
+    """A backend's context logits as [prompt tokens, vocab]; fewer rows fail the request."""
+    return logits_rows(tensor, num_prompt, vocab, "context_logits", backend, hint=CONTEXT_ROWS_HINT)
+
+
+def generation_rows(tensor, num_tokens: int, vocab: int, backend: str, build_hint: str) -> np.ndarray:
+    """A response's generation logits, one float32 row per new token ([0, vocab] for none). None
+    where tokens came is the backend's failure; `build_hint` asks how it was built."""
+    if tensor is None:
+        if num_tokens:
+            raise BackendError(backend, f"returned no generation_logits though the request asked for them "
+                                        f"({build_hint})")
+        return np.zeros((0, vocab), np.float32)
+    return logits_rows(tensor, num_tokens, vocab, "generation_logits", backend)
+
+
 CONTAINER = "nvcr.io/nvidia/tritonserver:<xx.yy>-trtllm-python-py3"
 
 

@@ -13,14 +13,14 @@ from pathlib import Path
 import numpy as np
 
 from app.backends.base import (
-    CONTEXT_ROWS_HINT,
     OBJECT_SCHEMA,
     AdapterTable,
     ServedModel,
     StopWatcher,
     bias_row,
+    context_rows,
+    generation_rows,
     import_backend_package,
-    logits_rows,
     refuse_torch_only,
 )
 from app.backends.triton_repository import write_model_repository
@@ -285,20 +285,14 @@ class _Stream:
         if logits is None:
             return None
         self.context_due = False
-        return logits_rows(logits, self.num_prompt, self.vocab, "context_logits", self.backend.name,
-                           hint=CONTEXT_ROWS_HINT)
+        return context_rows(logits, self.num_prompt, self.vocab, self.backend.name)
 
     def _rows(self, response, num_tokens: int) -> np.ndarray | None:
         """This response's generation logits, one row per new token (rows past them dropped)."""
         if not self.params.return_generation_logits:
             return None
-        logits = _array(response, "generation_logits")
-        if logits is None and num_tokens:
-            raise BackendError(self.backend.name, "returned no generation_logits though the request asked for "
-                                                  "them (is the engine built with --gather_generation_logits?)")
-        if logits is None:
-            return np.zeros((0, self.vocab), np.float32)
-        return logits_rows(logits, num_tokens, self.vocab, "generation_logits", self.backend.name)
+        return generation_rows(_array(response, "generation_logits"), num_tokens, self.vocab, self.backend.name,
+                               "is the engine built with --gather_generation_logits?")
 
     def _completions(self, response) -> list[CompletionOutput]:
         ids = _array(response, "output_ids")[0]  # [beams, tokens]

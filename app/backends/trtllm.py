@@ -12,18 +12,17 @@ import importlib
 import json
 from datetime import timedelta
 
-import numpy as np
 import torch  # TensorRT-LLM's own dependency: its SamplingParams takes tensors
 
 from app.backends.base import (
-    CONTEXT_ROWS_HINT,
     OBJECT_SCHEMA,
     AdapterTable,
     ServedModel,
     StopWatcher,
     bias_row,
+    context_rows,
+    generation_rows,
     import_backend_package,
-    logits_rows,
     refuse_torch_only,
 )
 from app.config import ServiceConfig
@@ -234,21 +233,16 @@ class TrtllmBackend:
     def _context_rows(self, output, num_prompt: int):
         """GenerationResult.context_logits, [prompt tokens, vocab]; fewer rows (a cached prefix may
         get none) fail the request rather than go out short."""
-        return logits_rows(output.context_logits, num_prompt, self.served.limits.vocab_size, "context_logits",
-                           self.name, hint=CONTEXT_ROWS_HINT)
+        return context_rows(output.context_logits, num_prompt, self.served.limits.vocab_size, self.name)
 
     def _generation_rows(self, out, num_new: int):
         """The new tokens' generation logits. Streaming, the LLM API's CompletionOutput.generation_logits
         holds the latest response's rows, [tokens, vocab] (the PyTorch backend's
         LlmResult.generation_logits keeps only the last chunk when streaming); rows past the tokens
         (an end id or stop word cut from token_ids) are dropped."""
-        if num_new == 0:  # no rows, but tokens held for a stop sequence may still go out with theirs
-            return np.zeros((0, self.served.limits.vocab_size), np.float32)
-        if out.generation_logits is None:
-            raise BackendError(self.name, "returned no generation_logits though the request asked for them (is "
-                                          "the LLM built with gather_generation_logits?)")
-        return logits_rows(out.generation_logits, num_new, self.served.limits.vocab_size, "generation_logits",
-                           self.name)
+        # No new tokens: no rows, but tokens held for a stop sequence may still go out with theirs.
+        return generation_rows(out.generation_logits if num_new else None, num_new, self.served.limits.vocab_size,
+                               self.name, "is the LLM built with gather_generation_logits?")
 
     @staticmethod
     def _logprobs(out, new: list[int], beam: bool) -> list[float]:

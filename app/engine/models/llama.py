@@ -254,13 +254,12 @@ class LlamaForCausalLM(nn.Module):
             for module in self.layers.modules():
                 if isinstance(module, MergedLinear) and module.weight_scale is None:
                     module.quantize_fp8()
-        for module in self.modules():
-            if isinstance(module, MergedLinear) and module.weight_scale is not None:
-                module.fp8_matmul = self.kernels.fp8_linear
+        fp8_linears = [m for m in self.modules() if isinstance(m, MergedLinear) and m.weight_scale is not None]
+        for module in fp8_linears:
+            module.fp8_matmul = self.kernels.fp8_linear
         # The 16-bit weights that FP8 ones replaced (quantized, or held for an FP8 checkpoint): their
         # memory back, before the KV pool is sized from what is free.
-        if torch.cuda.is_available() and any(isinstance(m, MergedLinear) and m.weight_scale is not None
-                                             for m in self.modules()):
+        if fp8_linears and torch.cuda.is_available():
             torch.cuda.empty_cache()
         if self.kernels.packs_linears:
             for module in self.modules():

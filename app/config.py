@@ -164,8 +164,9 @@ class ServiceConfig(_Strict):
                             "auto: read from the chat template")
     step_timeout_s: float = Field(60.0, gt=0, description="a replica whose engine step runs longer is unhealthy")
     cuda_graph_config: dict | None = Field(None, description="backend trtllm: passed to tensorrt_llm.LLM as is")
-    speculative_config: dict | None = Field(None, description="backend torch: n-gram speculation, TensorRT-LLM's "
-                                            "NGramDecodingConfig keys (app/engine/config.py); backend trtllm: "
+    speculative_config: dict | None = Field(None, description="backend torch: n-gram or draft-model speculation, "
+                                            "TensorRT-LLM's NGramDecodingConfig / DraftTargetDecodingConfig keys "
+                                            "(app/engine/config.py); backend trtllm: "
                                             "passed to tensorrt_llm.LLM as is")
     llm_args: dict = Field(default_factory=dict, description="backend trtllm: further tensorrt_llm.LLM arguments")
     triton: TritonSection | None = None

@@ -48,22 +48,40 @@ class KvCacheConfig:
 
 @dataclass
 class SpeculativeConfig:
-    """TensorRT-LLM's NGramDecodingConfig names. Prompt-lookup decoding: the next tokens are
-    guessed by finding the sequence's last n-gram earlier in its own tokens, and the model checks
-    the guesses in the step that computes the last token (app/engine/speculative.py)."""
+    """TensorRT-LLM's NGramDecodingConfig and DraftTargetDecodingConfig names. The next tokens are
+    guessed, and the model checks the guesses in the step that computes the last token
+    (app/engine/speculative.py). NGram (prompt lookup): guessed by finding the sequence's last n-gram
+    earlier in its own tokens. DraftTarget: guessed by a smaller model with the same tokenizer,
+    `speculative_model` (an HF directory, a .gguf file or an embedded alias; TensorRT-LLM's older
+    name `speculative_model_dir` is taken too), run greedily (app/engine/draft_model.py)."""
 
     decoding_type: str = "NGram"
     max_draft_len: int = 4  # tokens guessed, and checked, per sequence per step
-    max_matching_ngram_size: int = 3  # the longest tail looked up; shorter ones are tried after it
+    max_matching_ngram_size: int = 3  # NGram: the longest tail looked up; shorter ones are tried after it
+    speculative_model: str | None = None  # DraftTarget: the draft model
+    speculative_model_dir: str | None = None
 
     def __post_init__(self):
-        if self.decoding_type != "NGram":
+        if self.decoding_type not in ("NGram", "DraftTarget"):
             raise ValueError(f"speculative_config.decoding_type {self.decoding_type!r} is not supported by the "
-                             "torch engine (NGram)")
+                             "torch engine (NGram, DraftTarget)")
         for name, most in (("max_draft_len", 32), ("max_matching_ngram_size", 16)):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= most:
                 raise ValueError(f"speculative_config.{name} must be an integer in [1, {most}], got {value!r}")
+        if self.speculative_model and self.speculative_model_dir:
+            raise ValueError("speculative_config: give speculative_model or speculative_model_dir, not both")
+        self.speculative_model = self.speculative_model or self.speculative_model_dir
+        self.speculative_model_dir = None
+        if self.drafts_with_model and not self.speculative_model:
+            raise ValueError("speculative_config.speculative_model is required with decoding_type DraftTarget "
+                             "(the draft model's directory)")
+        if not self.drafts_with_model and self.speculative_model:
+            raise ValueError("speculative_config.speculative_model is read with decoding_type DraftTarget only")
+
+    @property
+    def drafts_with_model(self) -> bool:
+        return self.decoding_type == "DraftTarget"
 
 
 # A request's logits cross the DAG in one data-plane frame (app/channel.py: at most 256 MiB).
@@ -121,7 +139,7 @@ class EngineConfig:
             unknown = set(self.speculative_config) - {f for f in SpeculativeConfig.__dataclass_fields__}
             if unknown:
                 raise ValueError(f"speculative_config.{sorted(unknown)[0]} is not supported by the torch engine "
-                                 "(decoding_type, max_draft_len, max_matching_ngram_size)")
+                                 "(decoding_type, max_draft_len, max_matching_ngram_size, speculative_model)")
             self.speculative_config = SpeculativeConfig(**self.speculative_config)
         self.scheduler_policy = SchedulerPolicy(self.scheduler_policy)
         self.batching_type = BatchingType(self.batching_type)

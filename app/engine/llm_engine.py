@@ -67,7 +67,8 @@ class LLMEngine:
         kv = config.kv_cache_config
         self.block_manager = BlockManager(self.runner.num_blocks, kv.tokens_per_block, kv.enable_block_reuse)
         self._seq_ids = itertools.count()
-        self.proposer = NGramProposer(config.speculative_config) if config.speculative_config else None
+        spec = config.speculative_config
+        self.proposer = self.runner.draft or (NGramProposer(spec) if spec else None)
         self.scheduler = Scheduler(
             SchedulerLimits(config.max_batch_size, config.max_num_tokens, config.enable_chunked_prefill,
                             config.scheduler_policy, config.batching_type, config.max_loras),

@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from app.engine.config import EngineConfig
+from app.engine.draft_model import DraftModelProposer
 from app.engine.executor import ProcessLauncher, WorkerLauncher, cpu_threads_per_rank
 from app.engine.lora_loader import LoRAAdapter
 from app.engine.model_loader import read_model_config
@@ -70,7 +71,16 @@ class ModelRunner:
             self.dist = self._start_workers(config, model_dir, max_seq_len, layout)
             device = self.launcher.device(0, config.device)
         try:
-            self.shard = ModelShard(config, model_dir, max_seq_len, torch.device(device), self.dist)
+            # A draft model loads first: the target's KV pool, sized from what is free, leaves room
+            # for the draft's, block for block (app/engine/draft_model.py).
+            spec = config.speculative_config
+            self.draft = DraftModelProposer(config, max_seq_len, torch.device(device),
+                                            read_model_config(model_dir).vocab_size) \
+                if spec is not None and spec.drafts_with_model else None
+            self.shard = ModelShard(config, model_dir, max_seq_len, torch.device(device), self.dist,
+                                    self.draft.kv_bytes_per_token if self.draft else 0)
+            if self.draft is not None:
+                self.draft.allocate(self.shard.num_blocks)
         except BaseException:
             if self.dist is not None:  # the other ranks may wait on rank 0 forever: end them
                 self.launcher.stop()

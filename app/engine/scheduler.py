@@ -24,7 +24,7 @@ from app.engine.block_manager import BlockManager
 from app.engine.config import BatchingType, SchedulerPolicy
 from app.engine.sampler import SamplerOutput
 from app.engine.sequence import Sequence, SequenceStatus
-from app.engine.speculative import NGramProposer
+from app.engine.speculative import Proposer
 
 
 @dataclass
@@ -72,7 +72,7 @@ class SchedulerLimits:
 
 class Scheduler:
     def __init__(self, limits: SchedulerLimits, block_manager: BlockManager, seq_ids: Iterator[int] | None = None,
-                 proposer: NGramProposer | None = None):
+                 proposer: Proposer | None = None):
         """`seq_ids` numbers beam-search forks (the engine shares the counter that numbers its sequences)."""
         self.limits = limits
         self.blocks = block_manager
@@ -185,8 +185,10 @@ class Scheduler:
                 seq.generator.set_state(state)
             seq.draft_tokens += len(item.draft)
             seq.accepted_draft_tokens += min(accepted, taken)  # not those an end cut off
-            # Rows past the first wrong guess wrote KV the next steps overwrite: not computed.
+            # Rows past the first wrong guess wrote KV the next steps overwrite: not computed. So did
+            # a draft model's passes past it (app/engine/draft_model.py).
             seq.num_computed_tokens = min(known + accepted, seq.num_tokens)
+            seq.draft_kv_tokens = min(seq.draft_kv_tokens, seq.num_computed_tokens)
         return drafted
 
     def _advance_beams(self, group: BeamGroup, candidates: dict) -> None:
@@ -239,6 +241,7 @@ class Scheduler:
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         done_groups = set()
         guessing = set(self._guessing_decodes())
+        wanted: list[tuple[ScheduledSeq, int]] = []  # decodes that guess, and how many guesses at most
         # Decodes before prefill chunks, so that a long prompt cannot starve the batch.
         for seq in sorted(self.running, key=lambda s: s.num_tokens - s.num_computed_tokens > 1):
             if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
@@ -254,26 +257,34 @@ class Scheduler:
                 continue
             if not self._grow_or_preempt(seq, seq.num_computed_tokens + n, out):
                 continue
-            draft = self._draft(seq, budget) if seq in guessing else []
-            out.scheduled.append(ScheduledSeq(seq, n + len(draft), seq.num_computed_tokens, draft))
-            budget -= n + len(draft)
+            item = ScheduledSeq(seq, n, seq.num_computed_tokens)
+            out.scheduled.append(item)
+            limit = self._guess_limit(seq, budget) if seq in guessing else 0
+            if limit:
+                wanted.append((item, limit))
+            budget -= n + limit
+        # One call for every guessing decode: a draft model decodes their guesses as one batch.
+        wanted = [(item, limit) for item, limit in wanted if item.seq.status is SequenceStatus.RUNNING]
+        drafts = self.proposer.propose_all([(item.seq, limit) for item, limit in wanted]) if wanted else []
+        for (item, limit), draft in zip(wanted, drafts):
+            if not draft:
+                self.proposer.missed(item.seq)
+            item.draft = draft
+            item.num_tokens += len(draft)
+            budget += limit - len(draft)
         return budget
 
-    def _draft(self, seq: Sequence, budget: int) -> list[int]:
-        """Guesses for a decode whose own token is scheduled: no more than the token budget, the
-        request's max_tokens and the KV slots allow."""
+    def _guess_limit(self, seq: Sequence, budget: int) -> int:
+        """How many guesses a decode whose own token is scheduled may carry: no more than the token
+        budget, the request's max_tokens and the KV slots allow (0: none this step)."""
         if seq.guess_pause:  # a step without guessing, overlapped
             seq.guess_pause -= 1
-            return []
+            return 0
         if seq.pending_row is not None:  # planned while its last token is still on the device
-            return []
-        limit = min(budget - 1, seq.params.max_tokens - seq.num_output_tokens - 1, self._slots_for_guesses(seq))
-        if limit < 1:  # no room this step: not a miss
-            return []
-        draft = self.proposer.propose(seq.token_ids, limit)
-        if not draft:
-            self.proposer.missed(seq)
-        return draft
+            return 0
+        limit = min(self.proposer.max_draft_len, budget - 1, seq.params.max_tokens - seq.num_output_tokens - 1,
+                    self._slots_for_guesses(seq))
+        return max(limit, 0)  # no room this step is not a miss
 
     def _slots_for_guesses(self, seq: Sequence) -> int:
         """KV slots guesses may take. Under GUARANTEED_NO_EVICT the sequence's blocks up to its
@@ -321,7 +332,7 @@ class Scheduler:
         """Recompute later: drop the KV (reuse may bring it back) and queue at the front."""
         self.running.remove(seq)
         self.blocks.free(seq)
-        seq.num_computed_tokens = 0
+        seq.num_computed_tokens = seq.draft_kv_tokens = 0
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preempted_total += 1

@@ -78,6 +78,7 @@ class Sequence:
         self.accepted_draft_tokens = 0
         self.guess_misses = 0  # guessing steps in a row that found nothing, or nothing right
         self.guess_pause = 0  # steps to run without guessing (overlapped) before the next try
+        self.draft_kv_tokens = 0  # draft-target speculation: positions whose draft-model KV is its tokens'
         # Overlapped steps: the last token is still on the device, as row `pending_row` of the step
         # in flight; its id here is a placeholder until the step is read back (Scheduler.update).
         self.pending_row: int | None = None

@@ -1,9 +1,12 @@
-"""N-gram speculation (prompt lookup): guesses of a sequence's next tokens, taken from its own past.
+"""Speculative decoding: guesses of a sequence's next tokens, checked by the model in one step.
 
-Answers that copy spans of their prompt (editing, extraction, code changes) repeat what came
-before: where the sequence's last n tokens occurred earlier, the tokens that followed them then are
-a good guess for what follows now. The scheduler puts the guesses after the sequence's last token
-in one decode step, a row each; the model's choice at every row checks the guess after it, and the
+Two proposers guess. N-gram (prompt lookup, here): answers that copy spans of their prompt
+(editing, extraction, code changes) repeat what came before, so where the sequence's last n tokens
+occurred earlier, the tokens that followed them then are a good guess for what follows now. Draft
+model (app/engine/draft_model.py): a smaller model with the same tokenizer decodes the guesses
+greedily. Either way the guesses are fixed tokens: the draft distribution is a point mass, which
+the acceptance rule below is exact for. The scheduler puts the guesses after the sequence's last
+token in one decode step, a row each; the model's choice at every row checks the guess after it, and the
 sequence takes the guesses up to the first miss plus the model's own token there (`confirmed`).
 
 The choice at row i is what plain decoding would make there: greedy, the argmax; sampled, a draw
@@ -44,9 +47,16 @@ SEARCH_TOKENS = 8192  # how far back a tail is looked for: the cost of a lookup 
 MAX_MISALIGNED = 16  # byte matches across token boundaries skipped per tail before giving up on it
 
 
-class NGramProposer:
-    def __init__(self, config: SpeculativeConfig):
-        self.max_draft_len, self.max_ngram = config.max_draft_len, config.max_matching_ngram_size
+class Proposer:
+    """What the scheduler asks of a way of guessing: which sequences may guess, how many guesses
+    stood, what a miss costs, and the guesses themselves (`propose_all`)."""
+
+    max_draft_len: int
+
+    def propose_all(self, wanted: list[tuple[Sequence, int]]) -> list[list[int]]:
+        """Guesses for each (sequence, most guesses) pair, the sequence's last token known on the host
+        and its KV slots for the guesses held; [] where there is nothing to guess."""
+        raise NotImplementedError
 
     @staticmethod
     def speculates(seq: Sequence) -> bool:
@@ -77,6 +87,14 @@ class NGramProposer:
         while accepted < len(draft) and draft[accepted] == tokens[accepted]:
             accepted += 1
         return accepted
+
+
+class NGramProposer(Proposer):
+    def __init__(self, config: SpeculativeConfig):
+        self.max_draft_len, self.max_ngram = config.max_draft_len, config.max_matching_ngram_size
+
+    def propose_all(self, wanted: list[tuple[Sequence, int]]) -> list[list[int]]:
+        return [self.propose(seq.token_ids, limit) for seq, limit in wanted]
 
     def propose(self, token_ids: list[int], limit: int) -> list[int]:
         """Up to min(max_draft_len, limit) tokens that followed the latest earlier occurrence of the

@@ -67,8 +67,11 @@ class StepInputs:
 
 class ModelShard:
     def __init__(self, config: EngineConfig, model_dir: Path, max_seq_len: int, device: torch.device,
-                 dist: Distributed | None = None):
+                 dist: Distributed | None = None, shared_kv_bytes_per_token: int = 0):
+        """`shared_kv_bytes_per_token`: another pool's bytes per token that this pool's size must
+        leave room for, block for block (a draft model's, app/engine/draft_model.py)."""
         self.device, self.dist = device, dist
+        self.shared_kv_bytes_per_token = shared_kv_bytes_per_token
         self.layout = dist.layout if dist else ParallelLayout()
         tp = dist.tp if dist else SINGLE
         self.dtype = resolve_dtype(config.dtype, device)
@@ -84,9 +87,7 @@ class ModelShard:
             if device.type == "cuda" and config.max_loras else None
         self.loras = LoRACache(config.max_loras, config.max_cpu_loras, config.max_lora_rank, device, self.dtype,
                                shapes, cfg.num_layers, self.layout.tp_size, self.layout.tp_rank, slots)
-        # Pipeline stages pass activations between graphs; only single-stage decode is captured.
-        capture = (device.type == "cuda" and config.cuda_graphs and self.layout.pp_size == 1
-                   and self.model.graph_capturable())
+        capture = self._captures(config)
         graph_bytes = 0
         if capture and config.kv_cache_config.max_tokens is None:
             graph_bytes = self._graph_bytes(config, max_seq_len)
@@ -94,6 +95,19 @@ class ModelShard:
         self.num_blocks = dist.min_int(num_blocks) if dist else num_blocks  # every rank the same pool
         self._allocate_cache(self.num_blocks)
         self.graphs = self._capture(config, max_seq_len) if capture else None
+
+    def _captures(self, config: EngineConfig) -> bool:
+        # Pipeline stages pass activations between graphs; only single-stage decode is captured.
+        return (self.device.type == "cuda" and config.cuda_graphs and self.layout.pp_size == 1
+                and self.model.graph_capturable())
+
+    def resize_pool(self, num_blocks: int, config: EngineConfig, max_seq_len: int) -> None:
+        """A pool of `num_blocks` in place of the one built, and the decode graphs captured over it:
+        a draft model's pool matches its target's, which is sized after the draft's weights load."""
+        self.graphs, self.kv_cache = None, None
+        self.num_blocks = num_blocks
+        self._allocate_cache(num_blocks)
+        self.graphs = self._capture(config, max_seq_len) if self._captures(config) else None
 
     def _allocate_cache(self, num_blocks: int) -> None:
         cfg = self.model.config
@@ -125,7 +139,8 @@ class ModelShard:
         kv = config.kv_cache_config
         if kv.max_tokens is not None:
             return -(-kv.max_tokens // self.block_size)
-        tokens = int(self._free_memory(graph_bytes) * kv.free_gpu_memory_fraction) // self.kv_bytes_per_token
+        tokens = int(self._free_memory(graph_bytes) * kv.free_gpu_memory_fraction) // (
+            self.kv_bytes_per_token + self.shared_kv_bytes_per_token)
         if self.device.type != "cuda":  # no card to fill: never more than a full batch can use
             tokens = min(tokens, config.max_batch_size * max_seq_len)
         return max(1, tokens // self.block_size)

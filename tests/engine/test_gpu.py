@@ -213,6 +213,27 @@ def test_speculative_greedy_equals_plain_decoding_in_float32_with_cuda_graphs(ti
     assert 0 < sum(o.metrics.total_accepted_draft_tokens for o in guessed) < drafted
 
 
+def test_draft_model_greedy_equals_plain_decoding_in_float32_with_cuda_graphs(tiny_llama_dir, tmp_path):
+    """A draft model (the target with noise on its weights) decodes its guesses from its own decode
+    graphs over a pool that mirrors the target's; the target checks them in its graphs, overlapped
+    between guessing steps: plain decoding's tokens, and each proposal the draft's own greedy tokens."""
+    from tests.engine.test_draft_model import assert_draft_model_greedy, draft_config, noisy_copy, record_proposals
+
+    draft_dir = noisy_copy(tiny_llama_dir, tmp_path / "draft", 0.3)
+    prompts = random_prompts(4, 5, 30, 256, seed=3)
+    params = SamplingParams(max_tokens=40, temperature=0.0)
+    plain = _engine(tiny_llama_dir, "float32").generate(prompts, params)
+    engine = _engine(tiny_llama_dir, "float32", speculative_config=draft_config(draft_dir))
+    assert engine.proposer.shard.graphs is not None and engine.overlap
+    assert engine.proposer.shard.num_blocks == engine.runner.num_blocks
+    proposals = record_proposals(engine)
+    guessed = engine.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in guessed] == [o.outputs[0].token_ids for o in plain]
+    drafted = sum(o.metrics.total_draft_tokens for o in guessed)
+    assert 0 < sum(o.metrics.total_accepted_draft_tokens for o in guessed) < drafted
+    assert_draft_model_greedy(draft_dir, proposals)
+
+
 def test_paged_decode_kernel_windows_and_softcaps_against_a_dense_reference():
     """The Triton decode kernel with sliding windows (one key; within a tile; a window starting mid-tile,
     so whole 128-token tiles before it are skipped; wider than the context) and a softcap, over 16-token

@@ -1,11 +1,16 @@
-"""N-gram speculation at batch 1: the same engine settings with and without `speculative_config`, on
-requests whose answers copy spans of their prompt (code to repeat or edit, text to correct) and on
-requests whose answers do not (questions), one request at a time, greedy.
+"""Speculation at batch 1: the same engine settings with and without `speculative_config` (n-gram, or
+a draft model with --draft-model), on requests whose answers copy spans of their prompt (code to
+repeat or edit, text to correct) and on requests whose answers do not (questions), one request at a
+time, greedy.
 
     python -m tools.bench.speculative --model smollm2-135m --device cuda --dtype bfloat16 --json out.json
+    python -m tools.bench.speculative --model configs/shapes/llama-3.1-8b --load-format dummy \
+        --draft-model configs/shapes/llama-3.2-1b --device cuda --dtype bfloat16
 
 Reports output tok/s for each, the speedup, the acceptance rate, and whether the outputs equal
 (batch-size-dependent rounding may flip a near-tie in 16-bit: the count of equal outputs is reported).
+With a draft model, also what its proposals cost: the wall time of the draft's passes per proposal
+(they end in a read back, so wall time is device time), beside the target's time per step.
 """
 from __future__ import annotations
 
@@ -44,9 +49,28 @@ ASKING = ["What is machine learning?", "Write a short poem about the sea.", "Giv
           "Why is the sky blue?", "Describe a busy train station in the morning."]
 
 
+def timed_proposals(engine: LLMEngine) -> dict:
+    """Counts the proposer's calls, the guesses they made and the wall time they took, from now on."""
+    record = {"proposals": 0, "guesses": 0, "seconds": 0.0}
+    if engine.proposer is None:
+        return record
+    propose_all = engine.proposer.propose_all
+
+    def timed(wanted):
+        start = time.perf_counter()
+        drafts = propose_all(wanted)
+        record["seconds"] += time.perf_counter() - start
+        record["proposals"] += len(wanted)
+        record["guesses"] += sum(len(d) for d in drafts)
+        return drafts
+    engine.proposer.propose_all = timed
+    return record
+
+
 def run(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> dict:
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     engine.generate([prompts[0][:8]], SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
+    proposals, steps = timed_proposals(engine), engine.num_steps
     tokens, wall, outputs, drafted, accepted = 0, 0.0, [], 0, 0
     per_request = []
     for prompt in prompts:
@@ -62,6 +86,10 @@ def run(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> dict:
     return {"output_tokens": tokens, "wall_s": wall, "tok_s": tokens / wall,
             "median_request_tok_s": statistics.median(per_request), "draft_tokens": drafted,
             "accepted_draft_tokens": accepted, "acceptance_rate": accepted / drafted if drafted else 0.0,
+            "steps": engine.num_steps - steps, "proposals": proposals["proposals"],
+            "proposal_ms": 1e3 * proposals["seconds"] / max(1, proposals["proposals"]),
+            "guesses_per_proposal": proposals["guesses"] / max(1, proposals["proposals"]),
+            "target_ms_per_step": 1e3 * (wall - proposals["seconds"]) / max(1, engine.num_steps - steps),
             "outputs": outputs}
 
 
@@ -74,11 +102,16 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--max-draft-len", type=int, default=4)
     parser.add_argument("--ngram", type=int, default=3)
+    parser.add_argument("--draft-model", help="draft-target speculation with this draft model (same tokenizer) "
+                                              "in place of n-gram; loaded as --load-format says")
     parser.add_argument("--json")
     args = parser.parse_args()
     results = {}
-    for name, speculative in (("plain", None), ("ngram", {"max_draft_len": args.max_draft_len,
-                                                          "max_matching_ngram_size": args.ngram})):
+    speculative = {"max_draft_len": args.max_draft_len, "max_matching_ngram_size": args.ngram}
+    if args.draft_model:
+        speculative = {"decoding_type": "DraftTarget", "max_draft_len": args.max_draft_len,
+                       "speculative_model": args.draft_model}
+    for name, speculative in (("plain", None), ("speculative", speculative)):
         engine = LLMEngine(EngineConfig(model=args.model, device=args.device, dtype=args.dtype, max_batch_size=16,
                                         load_format=args.load_format,
                                         speculative_config=speculative,
@@ -96,14 +129,20 @@ def main() -> None:
         del engine
     report = {"args": vars(args), "workloads": {}}
     for workload in ("copying", "asking"):
-        plain, ngram = results["plain"][workload], results["ngram"][workload]
-        equal = sum(a == b for a, b in zip(plain["outputs"], ngram["outputs"]))
-        row = {"plain_tok_s": plain["tok_s"], "ngram_tok_s": ngram["tok_s"], "speedup": ngram["tok_s"] / plain["tok_s"],
-               "acceptance_rate": ngram["acceptance_rate"], "draft_tokens": ngram["draft_tokens"],
-               "output_tokens": plain["output_tokens"], "equal_outputs": f"{equal}/{len(plain['outputs'])}"}
+        plain, spec = results["plain"][workload], results["speculative"][workload]
+        equal = sum(a == b for a, b in zip(plain["outputs"], spec["outputs"]))
+        row = {"plain_tok_s": plain["tok_s"], "speculative_tok_s": spec["tok_s"],
+               "speedup": spec["tok_s"] / plain["tok_s"], "acceptance_rate": spec["acceptance_rate"],
+               "draft_tokens": spec["draft_tokens"], "output_tokens": plain["output_tokens"],
+               "equal_outputs": f"{equal}/{len(plain['outputs'])}",
+               "plain_ms_per_step": plain["target_ms_per_step"], "target_ms_per_step": spec["target_ms_per_step"],
+               "proposals": spec["proposals"], "proposal_ms": spec["proposal_ms"],
+               "guesses_per_proposal": spec["guesses_per_proposal"]}
         report["workloads"][workload] = row
-        print(f"{workload:8s} plain {row['plain_tok_s']:7.1f} tok/s  ngram {row['ngram_tok_s']:7.1f} tok/s  "
-              f"x{row['speedup']:.2f}  acceptance {row['acceptance_rate']:.2f}  equal outputs {row['equal_outputs']}",
+        print(f"{workload:8s} plain {row['plain_tok_s']:7.1f} tok/s  speculative {row['speculative_tok_s']:7.1f} "
+              f"tok/s  x{row['speedup']:.2f}  acceptance {row['acceptance_rate']:.2f}  equal outputs "
+              f"{row['equal_outputs']}  step {row['plain_ms_per_step']:.2f} / {row['target_ms_per_step']:.2f} ms  "
+              f"{row['proposals']} proposals of {row['guesses_per_proposal']:.1f} in {row['proposal_ms']:.2f} ms",
               flush=True)
     if args.json:
         with open(args.json, "w") as f:

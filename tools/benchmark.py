@@ -56,7 +56,7 @@ def engine_command(args) -> dict:
     wl = synthetic(args.num_requests, args.input_len, args.output_len, engine.limits.vocab_size, args.seed,
                    args.ignore_eos, args.concurrency, args.request_rate, args.arrival)
     engine.generate([wl.prompts[0][:16]], SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
-    results = [run_engine(engine, wl)]
+    results = [run_engine(engine, wl, temperature=args.temperature, top_p=args.top_p)]
     if args.adapters:
         import tempfile
 
@@ -227,6 +227,8 @@ def main(argv=None) -> None:
     e.add_argument("--input-len", default="64:128", help="prompt tokens, N or LO:HI (uniform)")
     e.add_argument("--output-len", type=int, default=64)
     e.add_argument("--ignore-eos", action="store_true")
+    e.add_argument("--temperature", type=float, default=0.0, help="0: greedy; else sampled (unseeded)")
+    e.add_argument("--top-p", type=float, default=1.0)
     e.add_argument("--seed", type=int, default=0)
     e.add_argument("--tp", type=int, default=1, help="tensor_parallel_size (ranks as local processes)")
     e.add_argument("--pp", type=int, default=1, help="pipeline_parallel_size")

@@ -167,19 +167,30 @@ class Sampler:
             logits, index = logits.sort(dim=-1, descending=True)
             logits = _truncate_sorted(logits, seqs)
         probs = logits.softmax(dim=-1)
-        noise = torch.empty_like(probs)
-        rows_of = Counter(seqs)
-        states = {}
-        for i, seq in enumerate(seqs):
-            noise[i].exponential_(generator=seq.generator or self.generator)
-            if seq.generator is not None and rows_of[seq] > 1:
-                states[i] = seq.generator.get_state()
+        noise, states = self._noise(probs, seqs)
         if index is not None:
             # Drawn in vocabulary order, then sorted with the probabilities: a row's token never
             # depends on whether another row in the batch truncates (which sorts every row).
             noise = noise.gather(1, index)
         choice = (probs / noise).argmax(dim=-1)
         return (choice if index is None else index.gather(1, choice[:, None]).squeeze(1)), states
+
+    def _noise(self, probs: torch.Tensor, seqs: list[Sequence]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """Exp(1) noise shaped like `probs`, and the generator states _sample returns. The rows of
+        unseeded sequences share the engine's generator and one draw over the whole tensor (a
+        launch per step, not per row); a seeded row then overwrites its own row with its sequence's
+        generator, row by row in order, so its draws never depend on the rest of the batch."""
+        seeded = [i for i, seq in enumerate(seqs) if seq.generator is not None]
+        noise = torch.empty_like(probs)
+        if len(seeded) < len(seqs):
+            noise.exponential_(generator=self.generator)
+        rows_of = Counter(seqs[i] for i in seeded)
+        states = {}
+        for i in seeded:
+            noise[i].exponential_(generator=seqs[i].generator)
+            if rows_of[seqs[i]] > 1:
+                states[i] = seqs[i].generator.get_state()
+        return noise, states
 
 
 def prompt_logprobs(logits: torch.Tensor, targets: list[int], counts: list[int]

@@ -42,10 +42,9 @@ class DraftModelProposer(Proposer):
                              f"differs from the model's ({target_vocab_size}): the draft must share its tokenizer")
         self.max_seq_len = min(max_seq_len, draft_cfg.max_seq_len)
         kv = config.kv_cache_config
-        # Guessing decodes carry max_draft_len + 1 rows each within max_batch_size (Scheduler._guessing_decodes).
-        # No adapters, no quantization: the draft is the plain model, whatever the target's requests adapt.
+        # No adapters, no quantization: the draft is the plain model, whatever the target's requests
+        # adapt. Its decode graphs take as many rows as the target's (a catch-up is a row a token).
         self.config = replace(config, model=str(model_dir), quantization=None, max_loras=0,
-                              max_batch_size=max(1, config.max_batch_size // (spec.max_draft_len + 1)),
                               speculative_config=None, tensor_parallel_size=1, pipeline_parallel_size=1)
         one_block = replace(self.config, cuda_graphs=False, kv_cache_config=replace(kv, max_tokens=kv.tokens_per_block))
         # Built for the target's context (its block tables), guessing only within the draft's own.
@@ -83,46 +82,49 @@ class DraftModelProposer(Proposer):
         return drafts
 
     def _catch_up(self, seqs: list[Sequence]) -> list[int]:
-        """The draft's KV from its valid positions to the sequence's last token, and its first guess:
-        a decode row where one token is missing, a prefill chunk otherwise (decodes first)."""
-        starts = [seq.draft_kv_tokens for seq in seqs]
-        order = sorted(range(len(seqs)), key=lambda i: seqs[i].num_tokens - starts[i] > 1)
-        decodes = [i for i in order if seqs[i].num_tokens - starts[i] == 1]
-        spans = [(seqs[i], starts[i], seqs[i].num_tokens) for i in order]
-        batch = self._inputs(spans, [seqs[i].token_ids[starts[i]:] for i in order], len(decodes))
-        by_order = self._next_tokens(batch)
-        tokens = [0] * len(seqs)
-        for i, token in zip(order, by_order):
-            tokens[i] = token
-        return tokens
+        """The draft's KV from its valid positions to the sequence's last token, and its first guess."""
+        spans = [(seq, seq.draft_kv_tokens, seq.num_tokens) for seq in seqs]
+        return self._next_tokens(spans, [seq.token_ids[seq.draft_kv_tokens:] for seq in seqs])
 
     def _decode(self, seqs: list[Sequence], last_guesses: list[int], step: int) -> list[int]:
         """One more guess each: the previous guess in at the position after the last one's."""
         spans = [(seq, seq.num_tokens - 1 + step, seq.num_tokens + step) for seq in seqs]
-        return self._next_tokens(self._inputs(spans, [[t] for t in last_guesses], len(seqs)))
+        return self._next_tokens(spans, [[t] for t in last_guesses])
 
-    def _inputs(self, spans: list[tuple[Sequence, int, int]], tokens: list[list[int]], num_decodes: int) -> StepInputs:
-        """A batch of rows at positions [start, end) of each sequence, over the sequence's block table:
-        the first `num_decodes` spans one row each, the rest prefill chunks; each span's last row samples."""
-        bs = self.block_size
-        ids, positions, slots, chunks, sample_rows = [], [], [], [], []
-        for k, ((seq, start, end), span_tokens) in enumerate(zip(spans, tokens)):
-            if k >= num_decodes:
-                chunks.append((len(ids), end - start, end, seq.block_table[:-(-end // bs)]))
-            ids.extend(span_tokens)
-            positions.extend(range(start, end))
-            slots.extend(seq.block_table[p // bs] * bs + p % bs for p in range(start, end))
-            sample_rows.append(len(ids) - 1)
-        tables = lens = None
-        if num_decodes:
-            decodes = [seq for seq, _, _ in spans[:num_decodes]]
-            width = max(len(seq.block_table) for seq in decodes)
-            tables = torch.tensor([seq.block_table + [0] * (width - len(seq.block_table)) for seq in decodes],
-                                  dtype=torch.int32)
-            lens = torch.tensor([end for _, _, end in spans[:num_decodes]], dtype=torch.int32)
-        return StepInputs(torch.tensor(ids), torch.tensor(positions), torch.tensor(slots), num_decodes, tables,
-                          lens, chunks, torch.tensor(sample_rows, dtype=torch.long))
-
-    def _next_tokens(self, batch: StepInputs) -> list[int]:
+    def _next_tokens(self, spans: list[tuple[Sequence, int, int]], tokens: list[list[int]]) -> list[int]:
+        """The draft's greedy token after each span of positions [start, end) of its sequence."""
+        batch, last_rows = self._inputs(spans, tokens)
         logits = self.shard.execute([], [batch])
-        return logits.argmax(dim=-1).tolist()  # the one wait per pass: the next pass feeds these in
+        # The one wait per pass: the next pass feeds these in.
+        return logits[torch.tensor(last_rows)].argmax(dim=-1).tolist()
+
+    def _inputs(self, spans: list[tuple[Sequence, int, int]], tokens: list[list[int]]) -> tuple[StepInputs, list[int]]:
+        """The spans' tokens as a batch over their sequences' block tables, and which of its logits
+        rows follows each span. Up to max_batch_size tokens in all, every token is a decode row of
+        its own (the rows of a step write their KV before any row attends, as a target's guesses
+        do), so a catch-up of a few tokens replays a decode graph too; past that, a span of several
+        tokens is a prefill chunk (a first catch-up over a whole prompt)."""
+        bs = self.block_size
+        as_rows = sum(end - start for _, start, end in spans) <= self.config.max_batch_size
+        order = sorted(range(len(spans)), key=lambda i: not as_rows and spans[i][2] - spans[i][1] > 1)
+        ids, positions, slots, chunks, tables, lens, last_rows = [], [], [], [], [], [], [0] * len(spans)
+        for i in order:  # decode rows first, then chunks
+            seq, start, end = spans[i]
+            if as_rows or end - start == 1:
+                tables += [seq.block_table] * (end - start)
+                lens += range(start + 1, end + 1)
+            else:
+                chunks.append((len(ids), end - start, end, seq.block_table[:-(-end // bs)]))
+            ids += tokens[i]
+            positions += range(start, end)
+            slots += [seq.block_table[p // bs] * bs + p % bs for p in range(start, end)]
+            last_rows[i] = len(ids) - 1
+        # Logits come back for every decode row (a graph returns them all) and each chunk's last row.
+        logits_rows = list(range(len(tables))) + [start + n - 1 for start, n, _, _ in chunks]
+        last_rows = [logits_rows.index(row) for row in last_rows]
+        width = max((len(t) for t in tables), default=0)
+        batch = StepInputs(
+            torch.tensor(ids), torch.tensor(positions), torch.tensor(slots), len(tables),
+            torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32) if tables else None,
+            torch.tensor(lens, dtype=torch.int32) if tables else None, chunks, torch.tensor(logits_rows))
+        return batch, last_rows

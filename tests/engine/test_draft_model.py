@@ -10,7 +10,7 @@ from safetensors.torch import load_file, save_file
 
 from app.engine import SamplingParams
 from app.engine.config import SchedulerPolicy
-from tests.conftest import hf_greedy_logprobs, make_engine, random_prompts
+from tests.conftest import hf_greedy_logprobs, make_engine, random_prompts, run_staggered
 
 
 def noisy_copy(src, dst, scale: float, seed: int = 0):
@@ -57,16 +57,18 @@ def record_proposals(engine) -> list[tuple[list[int], list[int]]]:
 
 def assert_draft_model_greedy(draft_dir, proposals) -> None:
     """Each proposal is the draft model's own greedy continuation of the tokens it was given, as
-    transformers computes it from scratch: the draft's KV cache held those tokens, position for position."""
+    transformers computes it from scratch (its end token included): the draft's KV cache held those
+    tokens, position for position."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(draft_dir, dtype=torch.float32).eval()
     assert proposals
     with torch.inference_mode():
         for tokens, draft in proposals:
-            out = model.generate(torch.tensor([tokens]), max_new_tokens=len(draft), min_new_tokens=len(draft),
-                                 do_sample=False, pad_token_id=0)
-            assert out[0, len(tokens):].tolist() == draft
+            ids = list(tokens)
+            for _ in draft:
+                ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+            assert ids[len(tokens):] == draft
 
 
 def _steps(engine, prompts, params):
@@ -123,6 +125,20 @@ def test_preempted_sequences_draft_again_from_their_new_blocks(tiny_llama_dir, t
     assert_draft_model_greedy(tiny_draft_dir, proposals)
     assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in plain]
     assert sum(o.metrics.total_accepted_draft_tokens for o in out) > 0
+
+
+def test_catch_ups_longer_than_a_batch_of_rows_run_as_prefill_chunks(tiny_llama_dir, tiny_draft_dir):
+    """With max_batch_size 6, a first catch-up over a prompt of 20-30 tokens is a prefill chunk in
+    the draft, beside the rows of the sequences that are caught up already."""
+    prompts = random_prompts(2, 20, 30, 256, seed=7)
+    params = SamplingParams(max_tokens=40, temperature=0.0)
+    plain = make_engine(tiny_llama_dir).generate(prompts, params)
+    engine = make_engine(tiny_llama_dir, max_batch_size=6, speculative_config=draft_config(tiny_draft_dir, 2))
+    proposals = record_proposals(engine)
+    out = run_staggered(engine, prompts, params, [0, 6])
+    assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in plain]
+    assert any(len(tokens) > 20 for tokens, _ in proposals[:2])
+    assert_draft_model_greedy(tiny_draft_dir, proposals)
 
 
 def test_the_draft_model_must_share_the_vocabulary(tiny_llama_dir, smollm2_dir):

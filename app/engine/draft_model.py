@@ -26,6 +26,7 @@ from app.engine.config import EngineConfig
 from app.engine.model_loader import read_model_config, resolve_model_dir
 from app.engine.sequence import Sequence
 from app.engine.speculative import Proposer
+from app.engine.transfer import to_device
 from app.engine.worker import ModelShard, StepInputs
 
 
@@ -68,35 +69,36 @@ class DraftModelProposer(Proposer):
         rows = [i for i, limit in enumerate(limits) if limit > 0]
         if not rows:
             return drafts
-        tokens = self._catch_up([wanted[i][0] for i in rows])
-        for i, token in zip(rows, tokens):
-            drafts[i].append(token)
+        # Each pass takes the previous pass's guesses where they lie, on the device: the passes
+        # queue back to back and the host waits once, for all of them, at the end.
+        seqs = [seq for seq, _ in wanted]
+        spans = [(seqs[i], seqs[i].draft_kv_tokens, seqs[i].num_tokens) for i in rows]
+        guesses = self._next_tokens(spans, [seqs[i].token_ids[seqs[i].draft_kv_tokens:] for i in rows])
+        passes = [(rows, guesses)]
         for step in range(1, max(limits)):
+            previous = {i: at for at, i in enumerate(rows)}
             rows = [i for i in rows if limits[i] > step]
-            tokens = self._decode([wanted[i][0] for i in rows], [drafts[i][-1] for i in rows], step)
-            for i, token in zip(rows, tokens):
+            spans = [(seqs[i], seqs[i].num_tokens - 1 + step, seqs[i].num_tokens + step) for i in rows]
+            guesses = self._next_tokens(spans, [[0] for _ in rows], (guesses, [previous[i] for i in rows]))
+            passes.append((rows, guesses))
+        for rows, guesses in passes:
+            for i, token in zip(rows, guesses.tolist()):
                 drafts[i].append(token)
-        for (seq, _), draft in zip(wanted, drafts):
+        for seq, draft in zip(seqs, drafts):
             if draft:  # every guess but the last went through the draft
                 seq.draft_kv_tokens = seq.num_tokens + len(draft) - 1
         return drafts
 
-    def _catch_up(self, seqs: list[Sequence]) -> list[int]:
-        """The draft's KV from its valid positions to the sequence's last token, and its first guess."""
-        spans = [(seq, seq.draft_kv_tokens, seq.num_tokens) for seq in seqs]
-        return self._next_tokens(spans, [seq.token_ids[seq.draft_kv_tokens:] for seq in seqs])
-
-    def _decode(self, seqs: list[Sequence], last_guesses: list[int], step: int) -> list[int]:
-        """One more guess each: the previous guess in at the position after the last one's."""
-        spans = [(seq, seq.num_tokens - 1 + step, seq.num_tokens + step) for seq in seqs]
-        return self._next_tokens(spans, [[t] for t in last_guesses])
-
-    def _next_tokens(self, spans: list[tuple[Sequence, int, int]], tokens: list[list[int]]) -> list[int]:
-        """The draft's greedy token after each span of positions [start, end) of its sequence."""
+    def _next_tokens(self, spans: list[tuple[Sequence, int, int]], tokens: list[list[int]],
+                     previous: tuple[torch.Tensor, list[int]] | None = None) -> torch.Tensor:
+        """The draft's greedy token after each span of positions [start, end) of its sequence, on the
+        device. `previous`: one-token spans whose token is the previous pass's guess (its tensor, and
+        which of its rows each span takes) in place of the placeholder in `tokens`."""
         batch, last_rows = self._inputs(spans, tokens)
-        logits = self.shard.execute([], [batch])
-        # The one wait per pass: the next pass feeds these in.
-        return logits[torch.tensor(last_rows)].argmax(dim=-1).tolist()
+        if previous is not None:
+            batch.pending = torch.tensor([list(range(len(spans))), previous[1]], dtype=torch.long)
+        logits = self.shard.execute([], [batch], previous[0] if previous is not None else None)
+        return logits[to_device(torch.tensor(last_rows), logits.device)].argmax(dim=-1)
 
     def _inputs(self, spans: list[tuple[Sequence, int, int]], tokens: list[list[int]]) -> tuple[StepInputs, list[int]]:
         """The spans' tokens as a batch over their sequences' block tables, and which of its logits

@@ -93,6 +93,38 @@ def run(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> dict:
             "outputs": outputs}
 
 
+def steady_proposal_ms(engine: LLMEngine, prompt: list[int], batch: int, repeats: int = 30) -> float:
+    """Median wall time of one draft-model proposal (max_draft_len guesses each for `batch`
+    sequences) in the steady state of a draft that agrees with its target: the draft has seen all
+    but the last token, so the proposal is a one-row catch-up and the passes after it. (The
+    workloads above, with random weights, accept nothing: their proposals follow pauses, and catch
+    up over many tokens.)"""
+    ids = [f"steady-{i}" for i in range(batch)]
+    # Steps read back before the next: no sequence holds a placeholder for a token still on the device.
+    overlap, engine.overlap = engine.overlap, False
+    for rid in ids:
+        engine.add_request(rid, prompt, SamplingParams(max_tokens=512, temperature=0.0, ignore_eos=True))
+    while any(engine.requests[rid].seqs[0].num_output_tokens < 2 for rid in ids):
+        engine.step()
+    seqs, k = [engine.requests[rid].seqs[0] for rid in ids], engine.proposer.max_draft_len
+    for seq in seqs:  # the slots the guesses write, as the scheduler holds them before it asks
+        assert engine.block_manager.ensure_slots(seq, seq.num_tokens + k)
+    engine.proposer.propose_all([(seq, k) for seq in seqs])  # the draft sees the prompts
+    times = []
+    for _ in range(repeats):
+        for seq in seqs:
+            seq.draft_kv_tokens = seq.num_tokens - 1
+        start = time.perf_counter()
+        engine.proposer.propose_all([(seq, k) for seq in seqs])
+        times.append(time.perf_counter() - start)
+    for rid in ids:
+        engine.abort_request(rid)
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.overlap = overlap
+    return 1e3 * statistics.median(times)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m")
@@ -125,9 +157,13 @@ def main() -> None:
                                                                   add_generation_prompt=True, tokenize=False))
         results[name] = {workload: run(engine, [chat(p) for p in prompts], args.max_tokens)
                          for workload, prompts in (("copying", COPYING), ("asking", ASKING))}
+        if name == "speculative" and args.draft_model:
+            steady = {batch: steady_proposal_ms(engine, chat(ASKING[0]), batch) for batch in (1, 4)}
+            print("steady-state proposal (one-row catch-up, then the passes): "
+                  + ", ".join(f"batch {b} {ms:.2f} ms" for b, ms in steady.items()), flush=True)
         engine.shutdown()
         del engine
-    report = {"args": vars(args), "workloads": {}}
+    report = {"args": vars(args), "workloads": {}, "steady_proposal_ms": steady if args.draft_model else None}
     for workload in ("copying", "asking"):
         plain, spec = results["plain"][workload], results["speculative"][workload]
         equal = sum(a == b for a, b in zip(plain["outputs"], spec["outputs"]))

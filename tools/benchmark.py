@@ -227,7 +227,8 @@ def main(argv=None) -> None:
     e.add_argument("--input-len", default="64:128", help="prompt tokens, N or LO:HI (uniform)")
     e.add_argument("--output-len", type=int, default=64)
     e.add_argument("--ignore-eos", action="store_true")
-    e.add_argument("--temperature", type=float, default=0.0, help="0: greedy; else sampled (unseeded)")
+    e.add_argument("--temperature", type=float, default=0.0,
+                   help="0: greedy; else sampled (unseeded); the main run only (adapter, guided, hf runs stay greedy)")
     e.add_argument("--top-p", type=float, default=1.0)
     e.add_argument("--seed", type=int, default=0)
     e.add_argument("--tp", type=int, default=1, help="tensor_parallel_size (ranks as local processes)")

@@ -73,6 +73,8 @@ class SpeculativeConfig:
             raise ValueError("speculative_config: give speculative_model or speculative_model_dir, not both")
         self.speculative_model = self.speculative_model or self.speculative_model_dir
         self.speculative_model_dir = None
+        if self.speculative_model is not None and not isinstance(self.speculative_model, str):
+            raise ValueError("speculative_config.speculative_model must be a path or a model alias (a string)")
         if self.drafts_with_model and not self.speculative_model:
             raise ValueError("speculative_config.speculative_model is required with decoding_type DraftTarget "
                              "(the draft model's directory)")
@@ -139,7 +141,8 @@ class EngineConfig:
             unknown = set(self.speculative_config) - {f for f in SpeculativeConfig.__dataclass_fields__}
             if unknown:
                 raise ValueError(f"speculative_config.{sorted(unknown)[0]} is not supported by the torch engine "
-                                 "(decoding_type, max_draft_len, max_matching_ngram_size, speculative_model)")
+                                 "(decoding_type, max_draft_len, max_matching_ngram_size, speculative_model, "
+                                 "speculative_model_dir)")
             self.speculative_config = SpeculativeConfig(**self.speculative_config)
         self.scheduler_policy = SchedulerPolicy(self.scheduler_policy)
         self.batching_type = BatchingType(self.batching_type)

@@ -11,9 +11,10 @@ tables, a smaller pool per block (fewer, narrower layers). So the draft needs no
 its own, and its KV lives exactly as long as the sequence's blocks. A sequence's draft KV holds its
 tokens for its first `draft_kv_tokens` positions: the scheduler cuts that to the confirmed tokens
 when the target checks the guesses, and to 0 when the sequence is preempted (its blocks go).
-Each proposal first catches the draft up from there to the last known token (one row for a
-decode that took every guess, a chunk after a miss, a pause or on first use), then decodes a
-guess per pass. The guesses' KV slots are the target's: the scheduler holds the slots of
+Each proposal first catches the draft up from there to the last known token (one row after a
+step that rejected a guess, two after one that took them all: the last guess, which the draft never
+fed itself, and the target's token after it; more after a pause or on first use, at most
+max_num_tokens a proposal), then decodes a guess per pass. The guesses' KV slots are the target's: the scheduler holds the slots of
 every guess before asking, and the draft writes one position fewer than the target checks.
 """
 from __future__ import annotations
@@ -52,6 +53,11 @@ class DraftModelProposer(Proposer):
         self.target_max_seq_len = max_seq_len
         self.shard = ModelShard(one_block, model_dir, max_seq_len, device)
         self.block_size = kv.tokens_per_block
+        # What its decode graphs will take, for the target to leave free when it sizes its pool.
+        self.graph_bytes = self.shard.graph_bytes(self.config, max_seq_len) if kv.max_tokens is None else 0
+
+    def speculates(self, seq: Sequence) -> bool:
+        return super().speculates(seq) and seq.num_tokens < self.max_seq_len  # within the draft's context
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -69,13 +75,29 @@ class DraftModelProposer(Proposer):
         rows = [i for i, limit in enumerate(limits) if limit > 0]
         if not rows:
             return drafts
+        # Catch-ups take at most max_num_tokens a proposal, in the step's sequence order (a long
+        # prompt's first catch-up spreads over steps); one that does not reach the last token guesses
+        # nothing this time, which is not a miss (no pause follows).
+        seqs, budget, spans = [seq for seq, _ in wanted], self.config.max_num_tokens, []
+        for i in rows:
+            start = seqs[i].draft_kv_tokens
+            end = min(seqs[i].num_tokens, start + budget)
+            if end > start:
+                spans.append((seqs[i], start, end))
+                budget -= end - start
+        if not spans:
+            return drafts
+        caught_up = self._next_tokens(spans, [seq.token_ids[start:end] for seq, start, end in spans])
+        for seq, _, end in spans:
+            seq.draft_kv_tokens = end
+        rows = [i for i in rows if seqs[i].draft_kv_tokens == seqs[i].num_tokens]
+        span_of = {seq: k for k, (seq, _, _) in enumerate(spans)}
+        guesses = caught_up if len(rows) == len(spans) else caught_up[to_device(torch.tensor(
+            [span_of[seqs[i]] for i in rows], dtype=torch.long), caught_up.device)]
         # Each pass takes the previous pass's guesses where they lie, on the device: the passes
         # queue back to back and the host waits once, for all of them, at the end.
-        seqs = [seq for seq, _ in wanted]
-        spans = [(seqs[i], seqs[i].draft_kv_tokens, seqs[i].num_tokens) for i in rows]
-        guesses = self._next_tokens(spans, [seqs[i].token_ids[seqs[i].draft_kv_tokens:] for i in rows])
         passes = [(rows, guesses)]
-        for step in range(1, max(limits)):
+        for step in range(1, max((limits[i] for i in rows), default=0)):
             previous = {i: at for at, i in enumerate(rows)}
             rows = [i for i in rows if limits[i] > step]
             spans = [(seqs[i], seqs[i].num_tokens - 1 + step, seqs[i].num_tokens + step) for i in rows]
@@ -112,6 +134,7 @@ class DraftModelProposer(Proposer):
         ids, positions, slots, chunks, tables, lens, last_rows = [], [], [], [], [], [], [0] * len(spans)
         for i in order:  # decode rows first, then chunks
             seq, start, end = spans[i]
+            assert start < end, "an empty span has no row to guess from"
             if as_rows or end - start == 1:
                 tables += [seq.block_table] * (end - start)
                 lens += range(start + 1, end + 1)

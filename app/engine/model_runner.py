@@ -78,7 +78,8 @@ class ModelRunner:
                                             read_model_config(model_dir).vocab_size) \
                 if spec is not None and spec.drafts_with_model else None
             self.shard = ModelShard(config, model_dir, max_seq_len, torch.device(device), self.dist,
-                                    self.draft.kv_bytes_per_token if self.draft else 0)
+                                    self.draft.kv_bytes_per_token if self.draft else 0,
+                                    self.draft.graph_bytes if self.draft else 0)
             if self.draft is not None:
                 self.draft.allocate(self.shard.num_blocks)
         except BaseException:

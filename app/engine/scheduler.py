@@ -15,6 +15,7 @@ hashes the blocks it filled and lets finished sequences go with their blocks.
 from __future__ import annotations
 
 import itertools
+import logging
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -25,6 +26,8 @@ from app.engine.config import BatchingType, SchedulerPolicy
 from app.engine.sampler import SamplerOutput
 from app.engine.sequence import Sequence, SequenceStatus
 from app.engine.speculative import Proposer
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -246,6 +249,9 @@ class Scheduler:
         for seq in sorted(self.running, key=lambda s: s.num_tokens - s.num_computed_tokens > 1):
             if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
                 continue
+            if wanted and seq.num_tokens - seq.num_computed_tokens > 1:  # the decodes are done: the
+                budget += self._propose(wanted)  # chunks get the budget that guesses left over
+                wanted = []
             group = seq.beam_group
             if group is not None:
                 if id(group) not in done_groups:
@@ -263,16 +269,29 @@ class Scheduler:
             if limit:
                 wanted.append((item, limit))
             budget -= n + limit
-        # One call for every guessing decode: a draft model decodes their guesses as one batch.
+        return budget + self._propose(wanted)
+
+    def _propose(self, wanted: list[tuple[ScheduledSeq, int]]) -> int:
+        """One call for every guessing decode (a draft model decodes their guesses as one batch);
+        returns the token budget held for guesses that were not made. A proposer that fails costs
+        the step its guesses, not its requests."""
         wanted = [(item, limit) for item, limit in wanted if item.seq.status is SequenceStatus.RUNNING]
-        drafts = self.proposer.propose_all([(item.seq, limit) for item, limit in wanted]) if wanted else []
-        for (item, limit), draft in zip(wanted, drafts):
-            if not draft:
+        if not wanted:
+            return 0
+        try:
+            drafts = self.proposer.propose_all([(item.seq, limit) for item, limit in wanted])
+        except Exception:  # noqa: BLE001 - e.g. a draft model out of memory: plain decoding goes on
+            logger.exception("speculation failed this step; the step runs without guesses")
+            drafts = [[] for _ in wanted]
+            for item, _ in wanted:
+                item.seq.draft_kv_tokens = 0  # whatever the draft wrote is not trusted
                 self.proposer.missed(item.seq)
+        unused = 0
+        for (item, limit), draft in zip(wanted, drafts):
             item.draft = draft
             item.num_tokens += len(draft)
-            budget += limit - len(draft)
-        return budget
+            unused += limit - len(draft)
+        return unused
 
     def _guess_limit(self, seq: Sequence, budget: int) -> int:
         """How many guesses a decode whose own token is scheduled may carry: no more than the token

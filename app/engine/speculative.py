@@ -55,7 +55,8 @@ class Proposer:
 
     def propose_all(self, wanted: list[tuple[Sequence, int]]) -> list[list[int]]:
         """Guesses for each (sequence, most guesses) pair, the sequence's last token known on the host
-        and its KV slots for the guesses held; [] where there is nothing to guess."""
+        and its KV slots for the guesses held; [] where there is nothing to guess (a proposer that
+        finds nothing calls `missed` for it)."""
         raise NotImplementedError
 
     @staticmethod
@@ -94,7 +95,11 @@ class NGramProposer(Proposer):
         self.max_draft_len, self.max_ngram = config.max_draft_len, config.max_matching_ngram_size
 
     def propose_all(self, wanted: list[tuple[Sequence, int]]) -> list[list[int]]:
-        return [self.propose(seq.token_ids, limit) for seq, limit in wanted]
+        drafts = [self.propose(seq.token_ids, limit) for seq, limit in wanted]
+        for (seq, _), draft in zip(wanted, drafts):
+            if not draft:  # nothing to guess
+                self.missed(seq)
+        return drafts
 
     def propose(self, token_ids: list[int], limit: int) -> list[int]:
         """Up to min(max_draft_len, limit) tokens that followed the latest earlier occurrence of the

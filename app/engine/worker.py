@@ -67,9 +67,10 @@ class StepInputs:
 
 class ModelShard:
     def __init__(self, config: EngineConfig, model_dir: Path, max_seq_len: int, device: torch.device,
-                 dist: Distributed | None = None, shared_kv_bytes_per_token: int = 0):
+                 dist: Distributed | None = None, shared_kv_bytes_per_token: int = 0, reserved_bytes: int = 0):
         """`shared_kv_bytes_per_token`: another pool's bytes per token that this pool's size must
-        leave room for, block for block (a draft model's, app/engine/draft_model.py)."""
+        leave room for, block for block, and `reserved_bytes` other memory to leave free (a draft
+        model's pool and decode graphs, app/engine/draft_model.py)."""
         self.device, self.dist = device, dist
         self.shared_kv_bytes_per_token = shared_kv_bytes_per_token
         self.layout = dist.layout if dist else ParallelLayout()
@@ -88,10 +89,8 @@ class ModelShard:
         self.loras = LoRACache(config.max_loras, config.max_cpu_loras, config.max_lora_rank, device, self.dtype,
                                shapes, cfg.num_layers, self.layout.tp_size, self.layout.tp_rank, slots)
         capture = self._captures(config)
-        graph_bytes = 0
-        if capture and config.kv_cache_config.max_tokens is None:
-            graph_bytes = self._graph_bytes(config, max_seq_len)
-        num_blocks = self._count_blocks(config, max_seq_len, graph_bytes)
+        graph_bytes = self.graph_bytes(config, max_seq_len) if config.kv_cache_config.max_tokens is None else 0
+        num_blocks = self._count_blocks(config, max_seq_len, graph_bytes + reserved_bytes)
         self.num_blocks = dist.min_int(num_blocks) if dist else num_blocks  # every rank the same pool
         self._allocate_cache(self.num_blocks)
         self.graphs = self._capture(config, max_seq_len) if capture else None
@@ -122,10 +121,13 @@ class ModelShard:
                             -(-max_seq_len // self.block_size), num_blocks, self.block_size, self.device,
                             self.loras.slots)
 
-    def _graph_bytes(self, config: EngineConfig, max_seq_len: int) -> int:
-        """Device memory the decode graphs take (their pool and the activations of their warm-up),
-        measured by capturing them once over a one-block cache, so that the KV pool is sized from
-        what is free once the graphs are in place. The graphs are captured again over the real pool."""
+    def graph_bytes(self, config: EngineConfig, max_seq_len: int) -> int:
+        """Device memory the decode graphs take (their pool and the activations of their warm-up;
+        0 where none are captured), measured by capturing them once over a one-block cache, so that
+        a KV pool is sized from what is free once the graphs are in place. The graphs are captured
+        again over the real pool, which replaces the one this shard had."""
+        if not self._captures(config):
+            return 0
         free_before = torch.cuda.mem_get_info(self.device)[0]
         self._allocate_cache(1)
         graphs = self._capture(config, max_seq_len)

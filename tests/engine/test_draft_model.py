@@ -127,18 +127,59 @@ def test_preempted_sequences_draft_again_from_their_new_blocks(tiny_llama_dir, t
     assert sum(o.metrics.total_accepted_draft_tokens for o in out) > 0
 
 
-def test_catch_ups_longer_than_a_batch_of_rows_run_as_prefill_chunks(tiny_llama_dir, tiny_draft_dir):
+def test_long_catch_ups_run_as_prefill_chunks_and_spread_over_steps(tiny_llama_dir, tiny_draft_dir):
     """With max_batch_size 6, a first catch-up over a prompt of 20-30 tokens is a prefill chunk in
-    the draft, beside the rows of the sequences that are caught up already."""
+    the draft, in one batch with the other sequence's catch-up; with max_num_tokens 16 it takes two
+    proposals, the first of which guesses nothing."""
     prompts = random_prompts(2, 20, 30, 256, seed=7)
     params = SamplingParams(max_tokens=40, temperature=0.0)
     plain = make_engine(tiny_llama_dir).generate(prompts, params)
-    engine = make_engine(tiny_llama_dir, max_batch_size=6, speculative_config=draft_config(tiny_draft_dir, 2))
-    proposals = record_proposals(engine)
+    engine = make_engine(tiny_llama_dir, max_batch_size=6, max_num_tokens=16,
+                         speculative_config=draft_config(tiny_draft_dir, 2))
+    proposals, batches = record_proposals(engine), []
+    inputs = engine.proposer._inputs
+
+    def recording(spans, tokens):
+        batch, rows = inputs(spans, tokens)
+        batches.append((batch.num_decodes, len(batch.prefills), [end - start for _, start, end in spans]))
+        return batch, rows
+    engine.proposer._inputs = recording
     out = run_staggered(engine, prompts, params, [0, 6])
     assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in plain]
-    assert any(len(tokens) > 20 for tokens, _ in proposals[:2])
+    assert any(chunks and len(lens) > 1 for _, chunks, lens in batches), batches  # beside another's span
+    assert any(lens == [16] for _, _, lens in batches), batches  # a catch-up cut at max_num_tokens
+    assert max(n for _, _, lens in batches for n in lens) <= 16
     assert_draft_model_greedy(tiny_draft_dir, proposals)
+
+
+def test_a_failing_draft_costs_the_step_its_guesses_not_its_requests(tiny_llama_dir, tiny_draft_dir):
+    prompts = random_prompts(2, 5, 12, 256, seed=9)
+    params = SamplingParams(max_tokens=24, temperature=0.0)
+    plain = make_engine(tiny_llama_dir).generate(prompts, params)
+    engine = make_engine(tiny_llama_dir, speculative_config=draft_config(tiny_draft_dir))
+    propose_all, calls = engine.proposer.propose_all, []
+
+    def failing_once(wanted):
+        calls.append(len(wanted))
+        if len(calls) == 2:
+            raise RuntimeError("out of memory")
+        return propose_all(wanted)
+    engine.proposer.propose_all = failing_once
+    out = engine.generate(prompts, params)
+    assert len(calls) > 2
+    assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in plain]
+    assert engine.failed_steps == 0 and engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_speculative_config_names():
+    from app.engine.config import SpeculativeConfig
+
+    config = SpeculativeConfig(decoding_type="DraftTarget", speculative_model_dir="/models/draft")
+    assert config.speculative_model == "/models/draft"  # TensorRT-LLM's older name
+    with pytest.raises(ValueError, match="not both"):
+        SpeculativeConfig(decoding_type="DraftTarget", speculative_model="a", speculative_model_dir="b")
+    with pytest.raises(ValueError, match="decoding_type 'Eagle' is not supported"):
+        SpeculativeConfig(decoding_type="Eagle")
 
 
 def test_the_draft_model_must_share_the_vocabulary(tiny_llama_dir, smollm2_dir):

@@ -50,8 +50,9 @@ ASKING = ["What is machine learning?", "Write a short poem about the sea.", "Giv
 
 
 def timed_proposals(engine: LLMEngine) -> dict:
-    """Counts the proposer's calls, the guesses they made and the wall time they took, from now on."""
-    record = {"proposals": 0, "guesses": 0, "seconds": 0.0}
+    """Counts the proposer's calls, the guesses they made and the wall time they took, until
+    `restore` is called."""
+    record = {"proposals": 0, "guesses": 0, "seconds": 0.0, "restore": lambda: None}
     if engine.proposer is None:
         return record
     propose_all = engine.proposer.propose_all
@@ -64,6 +65,7 @@ def timed_proposals(engine: LLMEngine) -> dict:
         record["guesses"] += sum(len(d) for d in drafts)
         return drafts
     engine.proposer.propose_all = timed
+    record["restore"] = lambda: setattr(engine.proposer, "propose_all", propose_all)
     return record
 
 
@@ -83,6 +85,7 @@ def run(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> dict:
         outputs.append(out.outputs[0].token_ids)
         drafted += out.metrics.total_draft_tokens
         accepted += out.metrics.total_accepted_draft_tokens
+    proposals["restore"]()
     return {"output_tokens": tokens, "wall_s": wall, "tok_s": tokens / wall,
             "median_request_tok_s": statistics.median(per_request), "draft_tokens": drafted,
             "accepted_draft_tokens": accepted, "acceptance_rate": accepted / drafted if drafted else 0.0,
@@ -95,10 +98,10 @@ def run(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> dict:
 
 def steady_proposal_ms(engine: LLMEngine, prompt: list[int], batch: int, repeats: int = 30) -> float:
     """Median wall time of one draft-model proposal (max_draft_len guesses each for `batch`
-    sequences) in the steady state of a draft that agrees with its target: the draft has seen all
-    but the last token, so the proposal is a one-row catch-up and the passes after it. (The
-    workloads above, with random weights, accept nothing: their proposals follow pauses, and catch
-    up over many tokens.)"""
+    sequences) as it follows a step that rejected a guess: the draft has seen all but the last
+    token, so the proposal is a one-row catch-up and the passes after it (after a step that took
+    every guess it is two rows, in the same graph replay). The workloads of `run`, with random
+    weights, accept nothing: their proposals follow pauses, and catch up over many tokens."""
     ids = [f"steady-{i}" for i in range(batch)]
     # Steps read back before the next: no sequence holds a placeholder for a token still on the device.
     overlap, engine.overlap = engine.overlap, False

@@ -55,8 +55,9 @@ def engine_command(args) -> dict:
     engine = LLMEngine(config)
     wl = synthetic(args.num_requests, args.input_len, args.output_len, engine.limits.vocab_size, args.seed,
                    args.ignore_eos, args.concurrency, args.request_rate, args.arrival)
+    wl = replace(wl, temperature=args.temperature, top_p=args.top_p)
     engine.generate([wl.prompts[0][:16]], SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
-    results = [run_engine(engine, wl, temperature=args.temperature, top_p=args.top_p)]
+    results = [run_engine(engine, wl)]
     if args.adapters:
         import tempfile
 
@@ -154,8 +155,9 @@ def serve_command(args) -> dict:
     if len(counts) not in (1, len(args.concurrency)):
         raise SystemExit("--num-requests takes one count, or one per --concurrency level")
     counts = counts * len(args.concurrency) if len(counts) == 1 else counts
-    workloads = {c: synthetic(n or max(8, 2 * c), args.input_len, args.output_len, vocab, args.seed,
-                              args.ignore_eos, c, args.request_rate, args.arrival)
+    workloads = {c: replace(synthetic(n or max(8, 2 * c), args.input_len, args.output_len, vocab, args.seed,
+                                      args.ignore_eos, c, args.request_rate, args.arrival),
+                            temperature=args.temperature, top_p=args.top_p)
                  for c, n in zip(args.concurrency, counts)}
     names = sorted(config.lora_adapters)[:args.adapters]
     if len(names) < args.adapters or (names and args.route != "openai" and not args.engine_only):
@@ -227,9 +229,6 @@ def main(argv=None) -> None:
     e.add_argument("--input-len", default="64:128", help="prompt tokens, N or LO:HI (uniform)")
     e.add_argument("--output-len", type=int, default=64)
     e.add_argument("--ignore-eos", action="store_true")
-    e.add_argument("--temperature", type=float, default=0.0,
-                   help="0: greedy; else sampled (unseeded); the main run only (adapter, guided, hf runs stay greedy)")
-    e.add_argument("--top-p", type=float, default=1.0)
     e.add_argument("--seed", type=int, default=0)
     e.add_argument("--tp", type=int, default=1, help="tensor_parallel_size (ranks as local processes)")
     e.add_argument("--pp", type=int, default=1, help="pipeline_parallel_size")
@@ -272,6 +271,9 @@ def main(argv=None) -> None:
     s.add_argument("--client-processes", type=int, nargs="+", default=[1],
                    help="run each level from each of these numbers of load-generator processes, in this order")
     s.add_argument("--json", type=Path, default=None)
+    for p in (e, s):  # the main runs (engine, and the DAG's); adapter, guided and transformers runs stay greedy
+        p.add_argument("--temperature", type=float, default=0.0, help="0: greedy; else sampled, unseeded")
+        p.add_argument("--top-p", type=float, default=1.0)
     args = parser.parse_args(argv)
     report = engine_command(args) if args.command == "engine" else serve_command(args)
     if args.json:

@@ -10,10 +10,8 @@ from tools.bench.report import RequestTiming, RunResult, summarize
 from tools.bench.workload import Workload
 
 
-def run_engine(engine: LLMEngine, wl: Workload, name: str = "ours", guide: Guide | None = None,
-               temperature: float = 0.0, top_p: float = 1.0) -> RunResult:
-    """Greedy unless `temperature` > 0 (unseeded draws, as most sampled traffic is)."""
-    params = SamplingParams(max_tokens=wl.output_len, temperature=temperature, top_p=top_p,
+def run_engine(engine: LLMEngine, wl: Workload, name: str = "ours", guide: Guide | None = None) -> RunResult:
+    params = SamplingParams(max_tokens=wl.output_len, temperature=wl.temperature, top_p=wl.top_p,
                             ignore_eos=wl.ignore_eos, guide=guide)
     arrived: dict[str, float] = {}
     chunks: dict[str, list[float]] = {}

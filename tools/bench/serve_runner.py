@@ -24,11 +24,12 @@ from tools.bench.workload import Workload
 
 def _request(route: str, model: str, prompt: list[int], wl: Workload) -> tuple[str, dict]:
     if route == "openai":
-        return "/v1/completions", {"model": model, "prompt": prompt, "max_tokens": wl.output_len, "temperature": 0,
+        return "/v1/completions", {"model": model, "prompt": prompt, "max_tokens": wl.output_len,
+                                   "temperature": wl.temperature, "top_p": wl.top_p,
                                    "ignore_eos": wl.ignore_eos, "stream": True}
     return "/v2/models/tensorrt_llm/generate_stream", {
         "input_ids": prompt, "request_output_len": wl.output_len, "exclude_input_in_output": True,
-        "ignore_eos": wl.ignore_eos, "stream": True}
+        "temperature": wl.temperature, "runtime_top_p": wl.top_p, "ignore_eos": wl.ignore_eos, "stream": True}
 
 
 def _tokens_in(event: dict, route: str) -> int:

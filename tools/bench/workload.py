@@ -14,6 +14,8 @@ class Workload:
     concurrency: int
     adapters: list[str | None] | None = None
     output_lens: list[int] | None = None  # per request, in place of output_len
+    temperature: float = 0.0  # 0: greedy; else every request samples (unseeded), as most sampled traffic does
+    top_p: float = 1.0
 
     @property
     def num_requests(self) -> int:

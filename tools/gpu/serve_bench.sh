@@ -49,8 +49,9 @@ bin=$("$PY" -c 'import os, sys; print(os.path.dirname(sys.executable))')
 # The levels: LOW (one JSON per route) and HIGH (its own run, profiled), with their request counts.
 LOW=${LOW:-"1 64"} LOW_REQUESTS=${LOW_REQUESTS:-"8 128"} HIGH=${HIGH:-256} HIGH_REQUESTS=${HIGH_REQUESTS:-1024}
 set_bench() {
+  # BENCH_ARGS: more arguments for every run, e.g. "--temperature 0.8 --top-p 0.95" (sampled)
   bench=("$PY" tools/benchmark.py serve --config "$CONFIG" --input-len "${INPUT_LEN:-128}"
-         --output-len "${OUTPUT_LEN:-128}" --ignore-eos --warmup "${WARMUP:-2}" "$@")
+         --output-len "${OUTPUT_LEN:-128}" --ignore-eos --warmup "${WARMUP:-2}" ${BENCH_ARGS:-} "$@")
 }
 set_bench
 

@@ -14,8 +14,9 @@ when the target checks the guesses, and to 0 when the sequence is preempted (its
 Each proposal first catches the draft up from there to the last known token (one row after a
 step that rejected a guess, two after one that took them all: the last guess, which the draft never
 fed itself, and the target's token after it; more after a pause or on first use, at most
-max_num_tokens a proposal), then decodes a guess per pass. The guesses' KV slots are the target's: the scheduler holds the slots of
-every guess before asking, and the draft writes one position fewer than the target checks.
+max_num_tokens a proposal), then decodes a guess per pass. The guesses' KV slots are the
+target's: the scheduler holds the slots of every guess before asking, and the draft writes one
+position fewer than the target checks.
 """
 from __future__ import annotations
 
@@ -65,7 +66,7 @@ class DraftModelProposer(Proposer):
 
     def allocate(self, num_blocks: int) -> None:
         """The pool, as many blocks as the target's, and the draft's decode graphs over it."""
-        self.shard.resize_pool(num_blocks, self.config, self.target_max_seq_len)
+        self.shard.allocate_pool(num_blocks, self.config, self.target_max_seq_len)
 
     @torch.inference_mode()
     def propose_all(self, wanted: list[tuple[Sequence, int]]) -> list[list[int]]:

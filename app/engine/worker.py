@@ -72,7 +72,6 @@ class ModelShard:
         leave room for, block for block, and `reserved_bytes` other memory to leave free (a draft
         model's pool and decode graphs, app/engine/draft_model.py)."""
         self.device, self.dist = device, dist
-        self.shared_kv_bytes_per_token = shared_kv_bytes_per_token
         self.layout = dist.layout if dist else ParallelLayout()
         tp = dist.tp if dist else SINGLE
         self.dtype = resolve_dtype(config.dtype, device)
@@ -88,21 +87,18 @@ class ModelShard:
             if device.type == "cuda" and config.max_loras else None
         self.loras = LoRACache(config.max_loras, config.max_cpu_loras, config.max_lora_rank, device, self.dtype,
                                shapes, cfg.num_layers, self.layout.tp_size, self.layout.tp_rank, slots)
-        capture = self._captures(config)
         graph_bytes = self.graph_bytes(config, max_seq_len) if config.kv_cache_config.max_tokens is None else 0
-        num_blocks = self._count_blocks(config, max_seq_len, graph_bytes + reserved_bytes)
-        self.num_blocks = dist.min_int(num_blocks) if dist else num_blocks  # every rank the same pool
-        self._allocate_cache(self.num_blocks)
-        self.graphs = self._capture(config, max_seq_len) if capture else None
+        num_blocks = self._count_blocks(config, max_seq_len, graph_bytes + reserved_bytes, shared_kv_bytes_per_token)
+        self.allocate_pool(dist.min_int(num_blocks) if dist else num_blocks, config, max_seq_len)  # every rank the same
 
     def _captures(self, config: EngineConfig) -> bool:
         # Pipeline stages pass activations between graphs; only single-stage decode is captured.
         return (self.device.type == "cuda" and config.cuda_graphs and self.layout.pp_size == 1
                 and self.model.graph_capturable())
 
-    def resize_pool(self, num_blocks: int, config: EngineConfig, max_seq_len: int) -> None:
-        """A pool of `num_blocks` in place of the one built, and the decode graphs captured over it:
-        a draft model's pool matches its target's, which is sized after the draft's weights load."""
+    def allocate_pool(self, num_blocks: int, config: EngineConfig, max_seq_len: int) -> None:
+        """A pool of `num_blocks` (in place of any before it: a draft model's pool matches its
+        target's, which is sized after the draft's weights load), and the decode graphs over it."""
         self.graphs, self.kv_cache = None, None
         self.num_blocks = num_blocks
         self._allocate_cache(num_blocks)
@@ -137,12 +133,13 @@ class ModelShard:
         torch.cuda.empty_cache()
         return max(0, taken)
 
-    def _count_blocks(self, config: EngineConfig, max_seq_len: int, graph_bytes: int = 0) -> int:
+    def _count_blocks(self, config: EngineConfig, max_seq_len: int, graph_bytes: int,
+                      shared_kv_bytes_per_token: int) -> int:
         kv = config.kv_cache_config
         if kv.max_tokens is not None:
             return -(-kv.max_tokens // self.block_size)
         tokens = int(self._free_memory(graph_bytes) * kv.free_gpu_memory_fraction) // (
-            self.kv_bytes_per_token + self.shared_kv_bytes_per_token)
+            self.kv_bytes_per_token + shared_kv_bytes_per_token)
         if self.device.type != "cuda":  # no card to fill: never more than a full batch can use
             tokens = min(tokens, config.max_batch_size * max_seq_len)
         return max(1, tokens // self.block_size)

@@ -15,7 +15,7 @@ import queue
 import time
 from dataclasses import replace
 
-import httpx
+import aiohttp
 from tqdm import tqdm
 
 from tools.bench.report import RequestTiming, RunResult, summarize
@@ -38,15 +38,16 @@ def _tokens_in(event: dict, route: str) -> int:
     return len(event.get("output_ids", []))
 
 
-async def _one(client: httpx.AsyncClient, route: str, model: str, prompt: list[int], wl: Workload) -> RequestTiming:
+async def _one(session: aiohttp.ClientSession, route: str, model: str, prompt: list[int],
+               wl: Workload) -> RequestTiming:
     path, body = _request(route, model, prompt, wl)
     start = time.perf_counter()
     stamps, tokens = [], 0
-    async with client.stream("POST", path, json=body) as response:
-        if response.status_code != 200:
-            raise RuntimeError(f"HTTP {response.status_code}: {(await response.aread())[:200]!r}")
-        async for line in response.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
+    async with session.post(path, json=body) as response:
+        if response.status != 200:
+            raise RuntimeError(f"HTTP {response.status}: {(await response.read())[:200]!r}")
+        async for line in response.content:  # one SSE line at a time
+            if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
                 continue
             event = json.loads(line[6:])
             if "error" in event:
@@ -117,11 +118,13 @@ def _client_process(url, route, model, wl, name, barrier, results) -> None:
 async def _timed(url: str, route: str, model: str, wl: Workload, name: str,
                  barrier=None) -> tuple[float, float, list[RequestTiming]]:
     """Run a workload; (start, end, timings) on the host's monotonic clock, which all processes share."""
-    limits = httpx.Limits(max_connections=wl.concurrency + 8, max_keepalive_connections=wl.concurrency + 8)
     gate = asyncio.Semaphore(wl.concurrency)
     bar = tqdm(total=wl.num_requests, desc=name, unit="req", leave=False, disable=barrier is not None)
-
-    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
+    # aiohttp, not httpx: httpx's connection pool scans every connection on each request event, which
+    # at 256 streams made one client process busier than any stage of the app it measured.
+    connector = aiohttp.TCPConnector(limit=wl.concurrency + 8)
+    async with aiohttp.ClientSession(url, connector=connector, timeout=aiohttp.ClientTimeout(total=600),
+                                     read_bufsize=1 << 20) as client:
         if barrier is not None:
             await asyncio.to_thread(barrier.wait, 300)  # all connected, or BrokenBarrierError for all
         start = time.perf_counter()

@@ -136,6 +136,10 @@ class ServiceConfig(_Strict):
                                         "process of its own, away from the replica's request traffic and its GIL; "
                                         "default: on for CUDA, off for CPU (a second process per replica)")
     cuda_graphs: bool = Field(EngineConfig.cuda_graphs, description="CUDA: replay decode steps from graphs")
+    piecewise_graph_max_tokens: int = Field(
+        EngineConfig.piecewise_graph_max_tokens, ge=0,
+        description="CUDA, with cuda_graphs: steps carrying prefill chunks, up to this many tokens, replay the "
+                    "model from graphs cut at each attention call; 0: such steps run op by op")
     disable_overlap_scheduler: bool = Field(EngineConfig.disable_overlap_scheduler, description="read each step "
                                             "back before queuing the next (overlap is on by default on CUDA)")
     seed: int = EngineConfig.seed

@@ -42,6 +42,7 @@ from tools.bench.workload import synthetic
 def engine_command(args) -> dict:
     config = EngineConfig(model=args.model, dtype=args.dtype, device=args.device, load_format=args.load_format,
                           cuda_graphs=not args.no_cuda_graphs, disable_overlap_scheduler=args.disable_overlap_scheduler,
+                          piecewise_graph_max_tokens=args.piecewise_graph_max_tokens,
                           max_batch_size=args.max_batch_size,
                           max_num_tokens=args.max_num_tokens, scheduler_policy=args.policy,
                           batching_type=args.batching, enable_chunked_prefill=not args.no_chunked_prefill,
@@ -218,6 +219,8 @@ def main(argv=None) -> None:
     e.add_argument("--device", default="cpu")
     e.add_argument("--dtype", default="auto")
     e.add_argument("--no-cuda-graphs", action="store_true", help="CUDA: run decode steps eagerly")
+    e.add_argument("--piecewise-graph-max-tokens", type=int, default=EngineConfig.piecewise_graph_max_tokens,
+                   help="CUDA: steps with prefill chunks up to this many tokens replay piecewise graphs; 0: op by op")
     e.add_argument("--disable-overlap-scheduler", action="store_true",
                    help="CUDA: read each step back before scheduling the next")
     e.add_argument("--load-format", default="auto", choices=["auto", "dummy"],

@@ -108,6 +108,9 @@ class EngineConfig:
     max_cpu_loras: int = 64  # adapters kept loaded on the host (lora_cache_host_memory_bytes' role)
     max_lora_rank: int = 64
     cuda_graphs: bool = True  # CUDA only: replay decode steps from graphs (batch-size buckets)
+    # CUDA only, with cuda_graphs: steps that carry prefill chunks, up to this many tokens, replay the
+    # model's trunk from graphs cut at each attention call (app/engine/piecewise_graphs.py); 0: op by op.
+    piecewise_graph_max_tokens: int = 512
     # TensorRT-LLM's name. Overlap queues step k + 1 on the device before step k's tokens are read
     # back (one CUDA device; requests with penalties, bad words or beams step without it).
     disable_overlap_scheduler: bool = False

@@ -22,6 +22,7 @@ from app.engine.lora import LoRACache, LoRASlots
 from app.engine.model_loader import load_model
 from app.engine.models.attention import FP8, AttentionMetadata, PackedPrefills
 from app.engine.parallel import SINGLE, Distributed, ParallelLayout
+from app.engine.piecewise_graphs import PiecewiseGraphs
 from app.engine.transfer import to_device
 
 
@@ -99,10 +100,11 @@ class ModelShard:
     def allocate_pool(self, num_blocks: int, config: EngineConfig, max_seq_len: int) -> None:
         """A pool of `num_blocks` (in place of any before it: a draft model's pool matches its
         target's, which is sized after the draft's weights load), and the decode graphs over it."""
-        self.graphs, self.kv_cache = None, None
+        self.graphs, self.piecewise, self.kv_cache = None, None, None
         self.num_blocks = num_blocks
         self._allocate_cache(num_blocks)
-        self.graphs = self._capture(config, max_seq_len) if self._captures(config) else None
+        if self._captures(config):
+            self.graphs, self.piecewise = self._capture(config, max_seq_len)
 
     def _allocate_cache(self, num_blocks: int) -> None:
         cfg = self.model.config
@@ -111,15 +113,20 @@ class ModelShard:
                                     cfg.num_kv_heads // self.layout.tp_size, cfg.head_dim, dtype=self.kv_dtype,
                                     device=self.device)
 
-    def _capture(self, config: EngineConfig, max_seq_len: int) -> DecodeGraphs:
+    def _capture(self, config: EngineConfig, max_seq_len: int) -> tuple[DecodeGraphs, PiecewiseGraphs | None]:
         num_blocks = self.kv_cache.shape[2] - 1
-        return DecodeGraphs(self.model, list(self.kv_cache.unbind(0)), config.max_batch_size,
-                            -(-max_seq_len // self.block_size), num_blocks, self.block_size, self.device,
-                            self.loras.slots)
+        kv_caches = list(self.kv_cache.unbind(0))
+        decode = DecodeGraphs(self.model, kv_caches, config.max_batch_size, -(-max_seq_len // self.block_size),
+                              num_blocks, self.block_size, self.device, self.loras.slots)
+        max_tokens = min(config.piecewise_graph_max_tokens, config.max_num_tokens)
+        # Pipeline stages hand activations on between graphs; the pieces are single-stage like the decode graphs.
+        piecewise = PiecewiseGraphs(self.model, kv_caches, max_tokens, num_blocks * self.block_size, self.device) \
+            if max_tokens > 0 else None
+        return decode, piecewise
 
     def graph_bytes(self, config: EngineConfig, max_seq_len: int) -> int:
-        """Device memory the decode graphs take (their pool and the activations of their warm-up;
-        0 where none are captured), measured by capturing them once over a one-block cache, so that
+        """Device memory the graphs take (decode and piecewise: their pools and the activations of their
+        warm-ups; 0 where none are captured), measured by capturing them once over a one-block cache, so that
         a KV pool is sized from what is free once the graphs are in place. The graphs are captured
         again over the real pool, which replaces the one this shard had."""
         if not self._captures(config):
@@ -185,6 +192,8 @@ class ModelShard:
         if (self.graphs is not None and decode_only and len(input_ids) <= self.graphs.max_batch_size
                 and (not batch.lora_rows or self.graphs.with_lora)):
             return self.graphs.run(input_ids, positions, meta, self.loras, batch.lora_rows)
+        if self.piecewise is not None and not batch.lora_rows and len(input_ids) <= self.piecewise.max_tokens:
+            return self.piecewise.run(input_ids, positions, meta, logits_indices)
         kv_caches = list(self.kv_cache.unbind(0))
         return self.model(input_ids, positions, kv_caches, meta, logits_indices,
                           self.loras.batch(batch.lora_rows, len(input_ids)), hidden)

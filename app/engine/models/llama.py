@@ -274,6 +274,13 @@ class LlamaForCausalLM(nn.Module):
                 hidden=None):
         """Logits for the rows in logits_indices (last stage), else the hidden states for the next
         stage, which arrive as `hidden` there. `lora` (a LoRABatch) adapts the rows it names."""
+        x, residual = self.trunk(input_ids, positions, kv_caches, meta, lora, hidden)
+        if not self.is_last:
+            return x + residual  # the next stage starts from the whole stream
+        return self.head(x, residual, logits_indices)
+
+    def trunk(self, input_ids, positions, kv_caches, meta: AttentionMetadata, lora=None, hidden=None):
+        """Every row through this stage's layers: (the last layer's MLP output, the residual stream)."""
         x = self.embed_tokens(input_ids) if hidden is None else hidden
         if hidden is None and self.embed_scale is not None:
             x = x * self.embed_scale
@@ -281,8 +288,10 @@ class LlamaForCausalLM(nn.Module):
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
             x, residual = layer(x, residual, rope, kv_cache, meta, lora)
-        if not self.is_last:
-            return x + residual  # the next stage starts from the whole stream
+        return x, residual
+
+    def head(self, x, residual, logits_indices):
+        """Float32 logits of the rows in logits_indices (last stage)."""
         h, _ = self.norm(x[logits_indices], residual[logits_indices])
         logits = self.lm_head(h)
         cap = self.config.final_logit_softcapping

@@ -1,0 +1,125 @@
+"""Steps that carry prefill chunks, replayed from CUDA graphs piece by piece, with attention run
+eagerly between the pieces.
+
+A decode graph (cuda_graphs.py) holds a whole step, attention included, because a decode row's
+attention has a fixed shape. A step with prefill chunks does not: how its rows split into chunks,
+and what each chunk sees of the cache, changes every step. Launched op by op, such a step costs
+the host about as much as the GPU's work (hundreds of kernels from Python), and on arrival-heavy
+traffic nearly every step carries a prompt. So the model's trunk (embedding, norms, projections,
+rotary + cache write, MLPs) is captured once per token-count bucket, cut at every attention call:
+one graph per cut, 33 for a 32-layer model. A step replays piece 0, runs layer 0's attention on its
+real rows from the buffers piece 0 wrote, replays piece 1, which reads the attention output from a
+static buffer, and so on; the final norm and lm_head then run on the rows that sample.
+
+Padded rows (the step's rows up to the bucket) take the scratch slot for their keys and values and
+never reach attention, so their rows of the attention output hold whatever an earlier step left
+there: finite values that only they read, since every op in the pieces works row by row.
+Steps with adapters run eagerly (their row grouping would be graph inputs too).
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+from app.engine.models.attention import AttentionMetadata
+
+
+def token_buckets(max_tokens: int) -> list[int]:
+    """Token counts a graph is captured for: powers of two to 256, then every 128 (a step is padded
+    to the next: a small step's GEMMs cost about the same padded, a large one's padding stays small)."""
+    sizes = [16, 32, 64, 128, 256] + list(range(384, max_tokens + 1, 128))
+    return sorted({s for s in sizes if s <= max_tokens} | {max_tokens})
+
+
+@dataclass
+class Piece:
+    graph: torch.cuda.CUDAGraph
+    attention: tuple | None  # the attention call that follows: (q, k, v, k_cache, v_cache, *rest); None: last
+
+
+class PiecewiseGraphs:
+    def __init__(self, model, kv_caches: list[torch.Tensor], max_tokens: int, scratch_slot: int,
+                 device: torch.device):
+        self.model, self.kernels = model, model.kernels
+        self.sizes = token_buckets(max_tokens)
+        n = self.sizes[-1]
+        self.scratch_slot = scratch_slot
+        self.input_ids = torch.zeros(n, dtype=torch.long, device=device)
+        self.positions = torch.zeros(n, dtype=torch.long, device=device)
+        self.slots = torch.full((n,), scratch_slot, dtype=torch.long, device=device)
+        attn = model.layers[0].self_attn
+        self.attention_out = torch.zeros(n, attn.num_heads, attn.head_dim, dtype=next(model.parameters()).dtype,
+                                         device=device)
+        self.pieces: dict[int, list[Piece]] = {}
+        self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # the trunk's (x, residual) per bucket
+        self._pool = torch.cuda.graph_pool_handle()  # every piece of every bucket shares it: they never run at once
+        for size in reversed(self.sizes):  # largest first, so the smaller ones fit in its memory pool
+            self._capture(size, kv_caches, device)
+        torch.cuda.synchronize(device)
+
+    @property
+    def max_tokens(self) -> int:
+        return self.sizes[-1]
+
+    def _capture(self, size: int, kv_caches: list[torch.Tensor], device: torch.device) -> None:
+        # Attention reads no slots here: only the trunk's cache writes do, from this static buffer.
+        meta = AttentionMetadata(self.slots[:size], 0, None, None, None)
+        args = (self.input_ids[:size], self.positions[:size], kv_caches, meta)
+        out = self.attention_out[:size]
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            with self._at_attention(lambda *_: out):
+                self.model.trunk(*args)  # warm-up: Triton compiles for this size, cuBLAS picks its kernels
+            stream.synchronize()
+            pieces: list[Piece] = []
+            graph = self._begin()
+
+            def cut(q, k, v, k_cache, v_cache, _meta, *rest):
+                nonlocal graph
+                graph.capture_end()
+                pieces.append(Piece(graph, (q, k, v, k_cache, v_cache, *rest)))
+                graph = self._begin()
+                return out
+            with self._at_attention(cut):
+                self.outputs[size] = self.model.trunk(*args)
+            graph.capture_end()
+            pieces.append(Piece(graph, None))
+        torch.cuda.current_stream(device).wait_stream(stream)
+        self.pieces[size] = pieces
+
+    def _begin(self) -> torch.cuda.CUDAGraph:
+        graph = torch.cuda.CUDAGraph()
+        graph.capture_begin(pool=self._pool)
+        return graph
+
+    @contextmanager
+    def _at_attention(self, call):
+        """The kernels' attention replaced by `call` while the trunk is captured (an instance
+        attribute shadows the method; deleting it restores the method)."""
+        self.kernels.attention = call
+        try:
+            yield
+        finally:
+            del self.kernels.attention
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+            logits_indices: torch.Tensor) -> torch.Tensor:
+        """Logits of the `logits_indices` rows of a step of at most max_tokens rows."""
+        n = input_ids.shape[0]
+        size = next(s for s in self.sizes if s >= n)
+        self.input_ids[:n].copy_(input_ids)
+        self.positions[:n].copy_(positions)
+        self.slots[:n].copy_(meta.slot_mapping)
+        if size > n:  # padded rows must not write into blocks that are now someone's
+            self.slots[n:size].fill_(self.scratch_slot)
+        out = self.attention_out
+        for piece in self.pieces[size]:
+            piece.graph.replay()
+            if piece.attention is not None:
+                q, k, v, k_cache, v_cache, *rest = piece.attention
+                out[:n].copy_(self.kernels.attention(q[:n], k[:n], v[:n], k_cache, v_cache, meta, *rest))
+        x, residual = self.outputs[size]
+        return self.model.head(x, residual, logits_indices)

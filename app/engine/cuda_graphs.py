@@ -26,6 +26,30 @@ def lora_item_capacity(sizes: list[int], num_slots: int) -> int:
     return max(max_work_items(size, num_slots) for size in sizes)
 
 
+class GraphLoRAInputs:
+    """The LoRA inputs a graph reads, in static buffers: the step's rows grouped by slot and their work
+    items, sized for every bucket (padded rows take slot 0, which is zero; padded items are empty)."""
+
+    def __init__(self, slots: LoRASlots, sizes: list[int], device: torch.device):
+        self.slots = slots
+        self.order = torch.arange(max(sizes), device=device)
+        self.items = torch.zeros(lora_item_capacity(sizes, slots.num_slots), 3, dtype=torch.int32,
+                                 device=device)  # all empty until a step sets them
+
+    def _items(self, size: int) -> int:
+        return max_work_items(size, self.slots.num_slots)
+
+    def batch(self, size: int) -> SlotBatch:
+        """What a graph of `size` rows captures: views of the buffers, which outlive it."""
+        return SlotBatch(self.slots, self.order[:size], self.items[:self._items(size)], rows_per_block(size))
+
+    def set(self, loras, lora_rows: dict[str, list[int]], size: int) -> None:
+        """A step's rows by adapter (made resident in `loras`' slots), into the buffers."""
+        step = loras.batch(lora_rows, size, self._items(size))
+        self.order[:size].copy_(step.order)
+        self.items[:self._items(size)].copy_(step.items)
+
+
 class DecodeGraphs:
     def __init__(self, model, kv_caches: list[torch.Tensor], max_batch_size: int, max_blocks_per_seq: int,
                  scratch_block: int, block_size: int, device: torch.device, lora_slots: LoRASlots | None = None):
@@ -38,10 +62,7 @@ class DecodeGraphs:
         self.tables = torch.full((n, max_blocks_per_seq), scratch_block, dtype=torch.int32, device=device)
         self.lens = torch.ones(n, dtype=torch.int32, device=device)
         self.rows = torch.arange(n, device=device)  # which rows give logits: all of them
-        self.lora_slots = lora_slots
-        self.lora_order = torch.arange(n, device=device)
-        self.lora_items = torch.zeros(lora_item_capacity(self.sizes, lora_slots.num_slots) if lora_slots else 1, 3,
-                                      dtype=torch.int32, device=device)  # all empty until a step sets them
+        self.lora = GraphLoRAInputs(lora_slots, self.sizes, device) if lora_slots is not None else None
         self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
         self.logits: dict[tuple[int, bool], torch.Tensor] = {}
         pool = None
@@ -49,8 +70,7 @@ class DecodeGraphs:
             meta = AttentionMetadata(self.slots[:size], size, self.tables[:size], self.lens[:size], None)
             for adapted in (False, True) if self.with_lora else (False,):
                 # Every tensor a graph reads must outlive it: views of the buffers above, never temporaries.
-                lora = SlotBatch(lora_slots, self.lora_order[:size], self.lora_items[:self._items(size)],
-                                 rows_per_block(size)) if adapted else None
+                lora = self.lora.batch(size) if adapted else None
                 args = (self.input_ids[:size], self.positions[:size], kv_caches, meta, self.rows[:size], lora)
                 stream = torch.cuda.Stream(device)
                 stream.wait_stream(torch.cuda.current_stream(device))
@@ -66,10 +86,7 @@ class DecodeGraphs:
 
     @property
     def with_lora(self) -> bool:
-        return self.lora_slots is not None
-
-    def _items(self, size: int) -> int:
-        return max_work_items(size, self.lora_slots.num_slots)
+        return self.lora is not None
 
     @property
     def max_batch_size(self) -> int:
@@ -91,9 +108,7 @@ class DecodeGraphs:
             self.slots[b:size].fill_(self.scratch_slot)
             self.tables[b:size, 0].fill_(self.scratch_block)
             self.lens[b:size].fill_(1)
-        if lora_rows:  # padded rows have no adapter: slot 0
-            step = loras.batch(lora_rows, size, self._items(size))
-            self.lora_order[:size].copy_(step.order)
-            self.lora_items[:self._items(size)].copy_(step.items)
+        if lora_rows:
+            self.lora.set(loras, lora_rows, size)
         self.graphs[size, bool(lora_rows)].replay()
         return self.logits[size, bool(lora_rows)][:b]

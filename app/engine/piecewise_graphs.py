@@ -13,16 +13,19 @@ static buffer, and so on; the final norm and lm_head then run on the rows that s
 
 Padded rows (the step's rows up to the bucket) take the scratch slot for their keys and values and
 never reach attention, so their rows of the attention output hold whatever an earlier step left
-there: finite values that only they read, since every op in the pieces works row by row.
-Steps with adapters run eagerly (their row grouping would be graph inputs too).
+there: finite values that only they read, since every op in the pieces works row by row. Where
+adapters live in LoRA slots, every bucket has a second set of pieces with the slots' kernels, whose
+row grouping is read from static buffers too (cuda_graphs.GraphLoRAInputs).
 """
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 
 import torch
 
+from app.engine.cuda_graphs import GraphLoRAInputs
+from app.engine.lora import LoRASlots
 from app.engine.models.attention import AttentionMetadata
 
 
@@ -41,7 +44,7 @@ class Piece:
 
 class PiecewiseGraphs:
     def __init__(self, model, kv_caches: list[torch.Tensor], max_tokens: int, scratch_slot: int,
-                 device: torch.device):
+                 dtype: torch.dtype, device: torch.device, lora_slots: LoRASlots | None = None):
         self.model, self.kernels = model, model.kernels
         self.sizes = token_buckets(max_tokens)
         n = self.sizes[-1]
@@ -50,45 +53,57 @@ class PiecewiseGraphs:
         self.positions = torch.zeros(n, dtype=torch.long, device=device)
         self.slots = torch.full((n,), scratch_slot, dtype=torch.long, device=device)
         attn = model.layers[0].self_attn
-        self.attention_out = torch.zeros(n, attn.num_heads, attn.head_dim, dtype=next(model.parameters()).dtype,
-                                         device=device)
-        self.pieces: dict[int, list[Piece]] = {}
-        self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # the trunk's (x, residual) per bucket
-        self._pool = torch.cuda.graph_pool_handle()  # every piece of every bucket shares it: they never run at once
-        for size in reversed(self.sizes):  # largest first, so the smaller ones fit in its memory pool
-            self._capture(size, kv_caches, device)
+        self.attention_out = torch.zeros(n, attn.num_heads, attn.head_dim, dtype=dtype, device=device)
+        self.lora = GraphLoRAInputs(lora_slots, self.sizes, device) if lora_slots is not None else None
+        self.pieces: dict[tuple[int, bool], list[Piece]] = {}  # (bucket, adapted)
+        self.outputs: dict[tuple[int, bool], tuple[torch.Tensor, torch.Tensor]] = {}  # the trunk's (x, residual)
+        # Every piece of every bucket shares one pool, captured on one stream (the allocator reuses a
+        # block only on the stream that freed it), largest bucket first: the smaller ones' temporaries fit
+        # in what it freed. Each layer's q/k/v (views of its qkv projection) stay allocated: attention
+        # reads them between pieces, about 12 KB a token a layer on the 8B shape, in every bucket.
+        self._pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            for size in reversed(self.sizes):
+                for adapted in (False, True) if self.lora is not None else (False,):
+                    self._capture(size, adapted, kv_caches, stream)
+        torch.cuda.current_stream(device).wait_stream(stream)
         torch.cuda.synchronize(device)
 
     @property
     def max_tokens(self) -> int:
         return self.sizes[-1]
 
-    def _capture(self, size: int, kv_caches: list[torch.Tensor], device: torch.device) -> None:
+    def _capture(self, size: int, adapted: bool, kv_caches: list[torch.Tensor], stream: torch.cuda.Stream) -> None:
+        """The pieces of one bucket, captured on `stream` (the current one)."""
         # Attention reads no slots here: only the trunk's cache writes do, from this static buffer.
         meta = AttentionMetadata(self.slots[:size], 0, None, None, None)
-        args = (self.input_ids[:size], self.positions[:size], kv_caches, meta)
+        lora = self.lora.batch(size) if adapted else None
+        args = (self.input_ids[:size], self.positions[:size], kv_caches, meta, lora)
         out = self.attention_out[:size]
-        stream = torch.cuda.Stream(device)
-        stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream):
-            with self._at_attention(lambda *_: out):
-                self.model.trunk(*args)  # warm-up: Triton compiles for this size, cuBLAS picks its kernels
-            stream.synchronize()
-            pieces: list[Piece] = []
-            graph = self._begin()
+        with self._at_attention(lambda *_: out):
+            self.model.trunk(*args)  # warm-up: Triton compiles for this size, cuBLAS picks its kernels
+        stream.synchronize()
+        pieces: list[Piece] = []
+        graph = self._begin()
 
-            def cut(q, k, v, k_cache, v_cache, _meta, *rest):
-                nonlocal graph
-                graph.capture_end()
-                pieces.append(Piece(graph, (q, k, v, k_cache, v_cache, *rest)))
-                graph = self._begin()
-                return out
-            with self._at_attention(cut):
-                self.outputs[size] = self.model.trunk(*args)
+        def cut(q, k, v, k_cache, v_cache, _meta, *rest):
+            nonlocal graph
             graph.capture_end()
-            pieces.append(Piece(graph, None))
-        torch.cuda.current_stream(device).wait_stream(stream)
-        self.pieces[size] = pieces
+            pieces.append(Piece(graph, (q, k, v, k_cache, v_cache, *rest)))
+            graph = self._begin()
+            return out
+        try:
+            with self._at_attention(cut):
+                self.outputs[size, adapted] = self.model.trunk(*args)
+        except BaseException:  # a capture left open would swallow every later launch on this stream
+            with suppress(Exception):
+                graph.capture_end()
+            raise
+        graph.capture_end()
+        pieces.append(Piece(graph, None))
+        self.pieces[size, adapted] = pieces
 
     def _begin(self) -> torch.cuda.CUDAGraph:
         graph = torch.cuda.CUDAGraph()
@@ -105,9 +120,14 @@ class PiecewiseGraphs:
         finally:
             del self.kernels.attention
 
+    @property
+    def with_lora(self) -> bool:
+        return self.lora is not None
+
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-            logits_indices: torch.Tensor) -> torch.Tensor:
-        """Logits of the `logits_indices` rows of a step of at most max_tokens rows."""
+            logits_indices: torch.Tensor, loras=None, lora_rows: dict[str, list[int]] | None = None) -> torch.Tensor:
+        """Logits of the `logits_indices` rows of a step of at most max_tokens rows; `lora_rows` (adapter
+        -> rows, resident in `loras`' slots) only where the pieces were captured with them."""
         n = input_ids.shape[0]
         size = next(s for s in self.sizes if s >= n)
         self.input_ids[:n].copy_(input_ids)
@@ -115,11 +135,13 @@ class PiecewiseGraphs:
         self.slots[:n].copy_(meta.slot_mapping)
         if size > n:  # padded rows must not write into blocks that are now someone's
             self.slots[n:size].fill_(self.scratch_slot)
+        if lora_rows:
+            self.lora.set(loras, lora_rows, size)
         out = self.attention_out
-        for piece in self.pieces[size]:
+        for piece in self.pieces[size, bool(lora_rows)]:
             piece.graph.replay()
             if piece.attention is not None:
                 q, k, v, k_cache, v_cache, *rest = piece.attention
                 out[:n].copy_(self.kernels.attention(q[:n], k[:n], v[:n], k_cache, v_cache, meta, *rest))
-        x, residual = self.outputs[size]
+        x, residual = self.outputs[size, bool(lora_rows)]
         return self.model.head(x, residual, logits_indices)

@@ -119,10 +119,10 @@ class ModelShard:
         decode = DecodeGraphs(self.model, kv_caches, config.max_batch_size, -(-max_seq_len // self.block_size),
                               num_blocks, self.block_size, self.device, self.loras.slots)
         max_tokens = min(config.piecewise_graph_max_tokens, config.max_num_tokens)
-        # Pipeline stages hand activations on between graphs; the pieces are single-stage like the decode graphs.
-        piecewise = PiecewiseGraphs(self.model, kv_caches, max_tokens, num_blocks * self.block_size, self.device) \
-            if max_tokens > 0 else None
-        return decode, piecewise
+        if max_tokens <= 0:
+            return decode, None
+        return decode, PiecewiseGraphs(self.model, kv_caches, max_tokens, num_blocks * self.block_size, self.dtype,
+                                       self.device, self.loras.slots)
 
     def graph_bytes(self, config: EngineConfig, max_seq_len: int) -> int:
         """Device memory the graphs take (decode and piecewise: their pools and the activations of their
@@ -192,8 +192,9 @@ class ModelShard:
         if (self.graphs is not None and decode_only and len(input_ids) <= self.graphs.max_batch_size
                 and (not batch.lora_rows or self.graphs.with_lora)):
             return self.graphs.run(input_ids, positions, meta, self.loras, batch.lora_rows)
-        if self.piecewise is not None and not batch.lora_rows and len(input_ids) <= self.piecewise.max_tokens:
-            return self.piecewise.run(input_ids, positions, meta, logits_indices)
+        if (self.piecewise is not None and len(input_ids) <= self.piecewise.max_tokens
+                and (not batch.lora_rows or self.piecewise.with_lora)):
+            return self.piecewise.run(input_ids, positions, meta, logits_indices, self.loras, batch.lora_rows)
         kv_caches = list(self.kv_cache.unbind(0))
         return self.model(input_ids, positions, kv_caches, meta, logits_indices,
                           self.loras.batch(batch.lora_rows, len(input_ids)), hidden)

@@ -169,9 +169,10 @@ def _assert_same_greedy(outputs, reference) -> None:
 
 
 def test_lora_slots_equal_peft_and_replay_from_cuda_graphs_in_bfloat16(tiny_llama_dir, tmp_path):
-    """Mixed adapters (ranks 4 and 8) and base rows in one batch, through the slot kernels and the
-    LoRA decode graphs: in float32 exact against peft; in bfloat16 the same tokens and logprobs as
-    the engine stepping eagerly."""
+    """Mixed adapters (ranks 4 and 8) and base rows in one batch, through the slot kernels, the LoRA
+    decode graphs and the LoRA pieces of steps with prefill chunks (requests arrive two a step, so
+    prompts meet decodes): in float32 exact against peft; in bfloat16 the same tokens and logprobs
+    as the engine stepping eagerly."""
     from peft import LoraConfig, PeftModel, get_peft_model
     from transformers import AutoModelForCausalLM
 
@@ -192,12 +193,14 @@ def test_lora_slots_equal_peft_and_replay_from_cuda_graphs_in_bfloat16(tiny_llam
     def run(engine):
         for name in ("r4", "r8"):
             engine.add_lora(name, tmp_path / name)
-        for i, (prompt, adapter) in enumerate(zip(prompts, adapters)):
-            engine.add_request(f"r{i}", prompt, params, adapter_id=adapter)
-        outputs = {}
-        while engine.has_unfinished_requests():
+        outputs, waiting, step = {}, list(range(len(prompts))), 0
+        while waiting or engine.has_unfinished_requests():
+            while waiting and waiting[0] // 2 <= step:
+                i = waiting.pop(0)
+                engine.add_request(f"r{i}", prompts[i], params, adapter_id=adapters[i])
             for out in engine.step():
                 outputs.setdefault(out.request_id, []).append(out)
+            step += 1
         return [_merged(outputs[f"r{i}"]) for i in range(len(prompts))]
 
     def reference(adapter, dtype):
@@ -210,7 +213,7 @@ def test_lora_slots_equal_peft_and_replay_from_cuda_graphs_in_bfloat16(tiny_llam
         assert tokens == hf_greedy(reference(adapter, torch.float32), prompt, 16)
 
     graphed = _engine(tiny_llama_dir, "bfloat16")
-    assert graphed.runner.shard.graphs.with_lora
+    assert graphed.runner.shard.graphs.with_lora and graphed.runner.shard.piecewise.with_lora
     for (tokens, logprobs), (ref_tokens, ref_logprobs) in zip(
             run(graphed), run(_engine(tiny_llama_dir, "bfloat16", cuda_graphs=False))):
         assert tokens == ref_tokens

@@ -38,12 +38,12 @@ def _tokens_in(event: dict, route: str) -> int:
     return len(event.get("output_ids", []))
 
 
-async def _one(session: aiohttp.ClientSession, route: str, model: str, prompt: list[int],
+async def _one(session: aiohttp.ClientSession, url: str, route: str, model: str, prompt: list[int],
                wl: Workload) -> RequestTiming:
     path, body = _request(route, model, prompt, wl)
     start = time.perf_counter()
     stamps, tokens = [], 0
-    async with session.post(path, json=body) as response:
+    async with session.post(url + path, json=body) as response:
         if response.status != 200:
             raise RuntimeError(f"HTTP {response.status}: {(await response.read())[:200]!r}")
         async for line in response.content:  # one SSE line at a time
@@ -122,8 +122,9 @@ async def _timed(url: str, route: str, model: str, wl: Workload, name: str,
     bar = tqdm(total=wl.num_requests, desc=name, unit="req", leave=False, disable=barrier is not None)
     # aiohttp, not httpx: httpx's connection pool scans every connection on each request event, which
     # at 256 streams made one client process busier than any stage of the app it measured.
+    # A stream may run long: the limit is on each read, not the whole request.
     connector = aiohttp.TCPConnector(limit=wl.concurrency + 8)
-    async with aiohttp.ClientSession(url, connector=connector, timeout=aiohttp.ClientTimeout(total=600),
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None, sock_read=600),
                                      read_bufsize=1 << 20) as client:
         if barrier is not None:
             await asyncio.to_thread(barrier.wait, 300)  # all connected, or BrokenBarrierError for all
@@ -134,7 +135,7 @@ async def _timed(url: str, route: str, model: str, wl: Workload, name: str,
                 await asyncio.sleep(max(0.0, wl.arrivals_s[i] - (time.perf_counter() - start)))
             async with gate:
                 own = wl.adapters[i] if wl.adapters and wl.adapters[i] else model  # /v1 routes by model name
-                timing = await _one(client, route, own, wl.prompts[i], wl)
+                timing = await _one(client, url.rstrip("/"), route, own, wl.prompts[i], wl)
             bar.update()
             return timing
 

@@ -146,8 +146,10 @@ def mixed_sampling_params(count: int) -> list[SamplingParams]:
     return params
 
 
-def run_staggered(engine: LLMEngine, prompts: list[list[int]], params, arrivals: list[int]) -> list:
-    """Add prompt i at step arrivals[i]; run until all finish; return merged outputs in prompt order."""
+def run_staggered(engine: LLMEngine, prompts: list[list[int]], params, arrivals: list[int],
+                  adapters: list[str | None] | None = None) -> list:
+    """Add prompt i at step arrivals[i] (under adapters[i], if given); run until all finish; return
+    merged outputs in prompt order."""
     from app.engine.llm_engine import merge_outputs
 
     params = params if isinstance(params, list) else [params] * len(prompts)
@@ -155,7 +157,7 @@ def run_staggered(engine: LLMEngine, prompts: list[list[int]], params, arrivals:
     while pending or engine.has_unfinished_requests():
         for i in sorted(pending):
             if arrivals[i] <= step:
-                engine.add_request(f"r{i}", prompts[i], params[i])
+                engine.add_request(f"r{i}", prompts[i], params[i], adapter_id=adapters[i] if adapters else None)
                 pending.discard(i)
         for out in engine.step():
             merged[out.request_id] = merge_outputs(merged.get(out.request_id), out)

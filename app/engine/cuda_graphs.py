@@ -45,6 +45,7 @@ class GraphLoRAInputs:
 
     def set(self, loras, lora_rows: dict[str, list[int]], size: int) -> None:
         """A step's rows by adapter (made resident in `loras`' slots), into the buffers."""
+        assert loras.slots is self.slots, "the graphs were captured over another cache's slots"
         step = loras.batch(lora_rows, size, self._items(size))
         self.order[:size].copy_(step.order)
         self.items[:self._items(size)].copy_(step.items)

@@ -141,7 +141,7 @@ def max_work_items(num_rows: int, num_slots: int) -> int:
 class SlotBatch:
     """One step's LoRA work over slots, on the device: `order` lists the step's rows grouped by slot,
     `items` the (slot, first position, group end) blocks of at most `block_m` rows the kernels take.
-    Decode graphs capture it over static buffers."""
+    Graphs capture it over static buffers (cuda_graphs.GraphLoRAInputs)."""
 
     slots: LoRASlots
     order: torch.Tensor  # [T] long
@@ -209,8 +209,8 @@ class LoRACache:
 
     def batch(self, rows_by_adapter: dict[str, list[int]], num_tokens: int,
               num_items: int | None = None) -> LoRABatch | SlotBatch | None:
-        """The step's LoRA work, its adapters made resident; `num_items`: a decode graph's fixed
-        count of slot work items."""
+        """The step's LoRA work, its adapters made resident; `num_items`: a graph's fixed count of
+        slot work items."""
         if not rows_by_adapter:
             return None
         names = tuple(sorted(rows_by_adapter))

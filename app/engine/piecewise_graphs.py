@@ -98,6 +98,7 @@ class PiecewiseGraphs:
             with self._at_attention(cut):
                 self.outputs[size, adapted] = self.model.trunk(*args)
         except BaseException:  # a capture left open would swallow every later launch on this stream
+            # (if ending it fails too, the pool may stay routed; the engine does not start either way)
             with suppress(Exception):
                 graph.capture_end()
             raise

@@ -122,9 +122,9 @@ async def _timed(url: str, route: str, model: str, wl: Workload, name: str,
     bar = tqdm(total=wl.num_requests, desc=name, unit="req", leave=False, disable=barrier is not None)
     # aiohttp, not httpx: httpx's connection pool scans every connection on each request event, which
     # at 256 streams made one client process busier than any stage of the app it measured.
-    # A stream may run long: the limit is on each read, not the whole request.
+    # A stream may run long: the limits are on connecting and on each read, not the whole request.
     connector = aiohttp.TCPConnector(limit=wl.concurrency + 8)
-    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None, sock_read=600),
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None, sock_connect=30, sock_read=600),
                                      read_bufsize=1 << 20) as client:
         if barrier is not None:
             await asyncio.to_thread(barrier.wait, 300)  # all connected, or BrokenBarrierError for all

@@ -143,6 +143,6 @@ class PiecewiseGraphs:
             piece.graph.replay()
             if piece.attention is not None:
                 q, k, v, k_cache, v_cache, *rest = piece.attention
-                out[:n].copy_(self.kernels.attention(q[:n], k[:n], v[:n], k_cache, v_cache, meta, *rest))
+                self.kernels.attention(q[:n], k[:n], v[:n], k_cache, v_cache, meta, *rest, out[:n])
         x, residual = self.outputs[size, bool(lora_rows)]
         return self.model.head(x, residual, logits_indices)

@@ -99,7 +99,7 @@ class ModelShard:
 
     def allocate_pool(self, num_blocks: int, config: EngineConfig, max_seq_len: int) -> None:
         """A pool of `num_blocks` (in place of any before it: a draft model's pool matches its
-        target's, which is sized after the draft's weights load), and the decode graphs over it."""
+        target's, which is sized after the draft's weights load), and the graphs over it."""
         self.graphs, self.piecewise, self.kv_cache = None, None, None
         self.num_blocks = num_blocks
         self._allocate_cache(num_blocks)

@@ -74,22 +74,28 @@ class TorchKernels:
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                   v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, window: int | None = None,
-                  softcap: float | None = None, kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None
-                  ) -> torch.Tensor:
+                  softcap: float | None = None, kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, KVH, D], already in the caches [num_blocks, block_size, KVH, D].
         window: keys each query sees, itself included (None: all before it); softcap: tanh(s / cap) * cap
-        on the scaled logits; kv_scales: an FP8 cache's key and value scales. Returns [T, H, D]."""
-        nd = meta.num_decodes
-        parts = []
+        on the scaled logits; kv_scales: an FP8 cache's key and value scales. Returns [T, H, D], in `out`
+        where one is given (a step's decode rows are written there directly)."""
+        nd, prefills = meta.num_decodes, meta.prefills is not None
+        if out is None and (not nd or not prefills):  # one part: its own result, no copy
+            if nd:
+                return self._decode(q, k_cache, v_cache, meta, scale, window, softcap, kv_scales)
+            return self._prefill(q, k, v, k_cache, v_cache, meta, scale, window, softcap, kv_scales)
+        out = torch.empty_like(q) if out is None else out
         if nd:
-            parts.append(self._decode(q[:nd], k_cache, v_cache, meta, scale, window, softcap, kv_scales))
-        if meta.prefills is not None:
-            parts.append(self._prefill(q[nd:], k[nd:], v[nd:], k_cache, v_cache, meta, scale, window, softcap,
-                                       kv_scales))
-        return parts[0] if len(parts) == 1 else torch.cat(parts)
+            self._decode(q[:nd], k_cache, v_cache, meta, scale, window, softcap, kv_scales, out[:nd])
+        if prefills:
+            out[nd:].copy_(self._prefill(q[nd:], k[nd:], v[nd:], k_cache, v_cache, meta, scale, window, softcap,
+                                         kv_scales))
+        return out
 
-    def _decode(self, q, k_cache, v_cache, meta, scale, window, softcap, kv_scales):
-        return decode_attention(q, k_cache, v_cache, meta, scale, window, softcap, kv_scales)
+    def _decode(self, q, k_cache, v_cache, meta, scale, window, softcap, kv_scales, out=None):
+        result = decode_attention(q, k_cache, v_cache, meta, scale, window, softcap, kv_scales)
+        return result if out is None else out.copy_(result)
 
     def _prefill(self, q, k, v, k_cache, v_cache, meta, scale, window, softcap, kv_scales):
         return prefill_attention(q, k, v, k_cache, v_cache, meta.prefills, scale, window, softcap, kv_scales)
@@ -126,9 +132,10 @@ class CudaKernels(TorchKernels):
         return self.triton_fused.rotary_store(qkv, num_heads, num_kv_heads, cos, sin, k_cache, v_cache, slots,
                                               kv_scales)
 
-    def _decode(self, q, k_cache, v_cache, meta, scale, window, softcap, kv_scales):
+    def _decode(self, q, k_cache, v_cache, meta, scale, window, softcap, kv_scales, out=None):
         return self.triton_attention.paged_decode(q, k_cache, v_cache, meta.decode_block_tables,
-                                                  meta.decode_context_lens, scale, window, softcap, kv_scales)
+                                                  meta.decode_context_lens, scale, window, softcap, kv_scales,
+                                                  out=out)
 
     def _prefill(self, q, k, v, k_cache, v_cache, meta, scale, window, softcap, kv_scales):
         if self.flash is None or softcap is not None or (window is not None and not self.flash.windowed):

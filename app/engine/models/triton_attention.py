@@ -82,17 +82,18 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, k_s
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                  context_lens: torch.Tensor, scale: float, window: int | None = None, softcap: float | None = None,
                  kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None, tile_tokens: int = TILE_TOKENS,
-                 num_warps: int = NUM_WARPS) -> torch.Tensor:
+                 num_warps: int = NUM_WARPS, out: torch.Tensor | None = None) -> torch.Tensor:
     """q: [B, H, D]; caches: [num_blocks, block_size, KVH, D]; block_tables: [B, max_blocks] (int32);
     context_lens: [B] (int32); window: keys each sequence attends to, its newest included (None: all);
-    kv_scales: an FP8 cache's key and value scales (float32, one element each). Returns [B, H, D]."""
+    kv_scales: an FP8 cache's key and value scales (float32, one element each). Returns [B, H, D] (in `out`,
+    contiguous rows of q's shape, where one is given)."""
     num_seqs, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
     block_d = triton.next_power_of_2(head_dim)
     # The tiles as the dots read them: in the query's dtype (an FP8 cache's are converted to it).
     tile = min(max(tile_tokens, block_size), TILE_BYTES // (block_d * q.element_size()))
-    out = torch.empty_like(q)
+    out = torch.empty_like(q) if out is None else out
     fp8 = k_cache.dtype == torch.float8_e4m3fn
     k_scale, v_scale = kv_scales if fp8 else (out, out)  # not read without FP8
     _paged_decode_kernel[(num_seqs, num_kv_heads)](

@@ -124,8 +124,9 @@ async def _timed(url: str, route: str, model: str, wl: Workload, name: str,
     # at 256 streams made one client process busier than any stage of the app it measured.
     # A stream may run long: the limits are on connecting and on each read, not the whole request.
     connector = aiohttp.TCPConnector(limit=wl.concurrency + 8)
-    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None, sock_connect=30, sock_read=600),
-                                     read_bufsize=1 << 20) as client:
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=30, sock_read=600)
+    base = url.rstrip("/")
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout, read_bufsize=1 << 20) as client:
         if barrier is not None:
             await asyncio.to_thread(barrier.wait, 300)  # all connected, or BrokenBarrierError for all
         start = time.perf_counter()
@@ -135,7 +136,7 @@ async def _timed(url: str, route: str, model: str, wl: Workload, name: str,
                 await asyncio.sleep(max(0.0, wl.arrivals_s[i] - (time.perf_counter() - start)))
             async with gate:
                 own = wl.adapters[i] if wl.adapters and wl.adapters[i] else model  # /v1 routes by model name
-                timing = await _one(client, url.rstrip("/"), route, own, wl.prompts[i], wl)
+                timing = await _one(client, base, route, own, wl.prompts[i], wl)
             bar.update()
             return timing
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from app.engine.lora import LoRASlots, SlotBatch, max_work_items, rows_per_block
+from app.engine.lora import BESIDE_MAX_ROWS, LoRASlots, SlotBatch, max_work_items, rows_per_block
 from app.engine.models.attention import AttentionMetadata
 
 
@@ -41,7 +41,8 @@ class GraphLoRAInputs:
 
     def batch(self, size: int) -> SlotBatch:
         """What a graph of `size` rows captures: views of the buffers, which outlive it."""
-        return SlotBatch(self.slots, self.order[:size], self.items[:self._items(size)], rows_per_block(size))
+        return SlotBatch(self.slots, self.order[:size], self.items[:self._items(size)], rows_per_block(size),
+                         beside_matmuls=size <= BESIDE_MAX_ROWS)
 
     def set(self, loras, lora_rows: dict[str, list[int]], size: int) -> None:
         """A step's rows by adapter (made resident in `loras`' slots), into the buffers."""

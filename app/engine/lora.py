@@ -10,6 +10,8 @@ stacked, with a per-token selector that zeroes the other adapters' columns (LoRA
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -63,6 +65,9 @@ class LoRABatch:
             y[:, start:start + b.shape[1]] += ((x @ a.T) * self.selector) @ b
         return y
 
+    def runs_beside(self, key: tuple[int, str]) -> bool:
+        return False
+
 
 class LoRASlots:
     """CUDA: adapters in fixed device slots, one weight pair per adapted module holding every slot.
@@ -87,6 +92,8 @@ class LoRASlots:
             a = torch.zeros(num_slots + 1, width, module.weight.shape[1], dtype=dtype, device=device)
             b = torch.zeros(num_slots + 1, sum(module.out_sizes), self.rank, dtype=dtype, device=device)
             self.weights[key] = (a, b, module.offsets)
+        # Where graphs run a module's adapters beside its base matmul (SlotBatch.beside).
+        self.side_stream = torch.cuda.Stream(next(model.parameters()).device)
         self._compile()
 
     def _compile(self) -> None:
@@ -127,6 +134,13 @@ class LoRASlots:
         return SlotBatch(self, list_to_device(order, device), list_to_device(items, device, torch.int32), block_m)
 
 
+# Steps of up to this many rows, in CUDA graphs, run each module's adapters beside its base matmul
+# (SlotBatch.beside). Measured on an H200 (docs/PERFORMANCE.md): batch 1 with an adapter went from
+# 0.82 to 0.97 of the base model; at 256 rows the side kernels slowed the matmuls they share the
+# SMs with, 0.84 -> 0.72 with 8 adapters.
+BESIDE_MAX_ROWS = 32
+
+
 def rows_per_block(num_rows: int) -> int:
     """Rows one LoRA kernel program takes: few in decode batches, more in prefill."""
     return 16 if num_rows <= 256 else 64
@@ -147,11 +161,34 @@ class SlotBatch:
     order: torch.Tensor  # [T] long
     items: torch.Tensor  # [W, 3] int32
     block_m: int
+    beside_matmuls: bool = False  # a small step captured in a CUDA graph: see beside()
 
     def apply(self, x: torch.Tensor, y: torch.Tensor, key: tuple[int, str], offsets: list[int]) -> torch.Tensor:
         """LoRABatch.apply's signature; the slots hold each module's offsets themselves."""
         weights = self.slots.weights.get(key)
         return y if weights is None else self.apply_weights(x, y, *weights)
+
+    def runs_beside(self, key: tuple[int, str]) -> bool:
+        return self.beside_matmuls and key in self.slots.weights
+
+    @contextmanager
+    def beside(self, x: torch.Tensor, key: tuple[int, str], width: int) -> Iterator[torch.Tensor]:
+        """Yields module `key`'s adapter delta for x, float32 [T, width], computed on a side stream
+        while the block runs the base matmul on the current one, which waits for it on exit. In a
+        graph the two become parallel branches: at batch 1 the adapter then costs about a quarter
+        of its serial time (docs/PERFORMANCE.md). The delta is allocated on the current stream, so
+        its memory is not reused before the join."""
+        a, b, offsets = self.slots.weights[key]
+        main, side = torch.cuda.current_stream(x.device), self.slots.side_stream
+        delta = torch.empty(x.shape[0], width, dtype=torch.float32, device=x.device)
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            delta.zero_()  # rows without an adapter get no work item
+            self.apply_weights(x, delta, a, b, offsets)
+        try:
+            yield delta
+        finally:
+            main.wait_stream(side)
 
     def apply_weights(self, x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
                       offsets: list[int]) -> torch.Tensor:

@@ -492,6 +492,52 @@ def test_fp8_kv_cache_triton_write_and_decode_against_the_bfloat16_cache():
         assert relative.max() < 0.12, (n, relative.max())
 
 
+@pytest.mark.parametrize("kv_dtype", ["bfloat16", "fp8"])
+def test_fused_kernels_add_a_lora_delta_as_the_projection_would(kv_dtype):
+    """rotary_store, silu_mul and add_rms_norm given a projection's float32 LoRA delta (what a graph
+    computes beside the matmul) equal, bit for bit, the same kernels over the projection's output
+    with the delta added in place first (what the adapter kernels do outside graphs); v reaches
+    qkv with its delta too, as attention over a prefill chunk reads it there."""
+    from app.engine.models import triton_fused
+    from app.engine.models.attention import FP8
+    from app.engine.models.layers import RotaryEmbedding
+
+    g = torch.Generator().manual_seed(1)
+    heads, kv_heads, head_dim, t, hidden = 8, 2, 64, 24, 512
+
+    def rand(*shape, dtype=torch.bfloat16):
+        return torch.randn(*shape, generator=g).to(dtype).cuda()
+
+    qkv, qkv_delta = rand(t, (heads + 2 * kv_heads) * head_dim), rand(t, (heads + 2 * kv_heads) * head_dim,
+                                                                      dtype=torch.float32) * 0.01
+    cos, sin = RotaryEmbedding(head_dim, 512, 10000.0, None).cuda().table(torch.arange(t, device="cuda"),
+                                                                          torch.bfloat16)
+    slots = torch.randperm(64, generator=g)[:t].cuda()
+    cache_dtype = FP8 if kv_dtype == "fp8" else torch.bfloat16
+    scales = (torch.tensor(0.5, device="cuda"), torch.tensor(2.0, device="cuda")) if kv_dtype == "fp8" else None
+    results = []
+    for delta in (None, qkv_delta):
+        caches = [torch.zeros(4, 16, kv_heads, head_dim, dtype=cache_dtype, device="cuda") for _ in "kv"]
+        x = qkv.clone() if delta is not None else qkv.clone().add_(qkv_delta)
+        out = triton_fused.rotary_store(x, heads, kv_heads, cos, sin, *caches, slots, scales, delta)
+        results.append((x, [c.view(torch.uint8) for c in caches], out))
+    (x_ref, caches_ref, out_ref), (x, caches, out) = results
+    assert torch.equal(x, x_ref)
+    assert all(torch.equal(a, b) for a, b in zip(caches, caches_ref))
+    assert all(torch.equal(a, b) for a, b in zip(out, out_ref))
+
+    gate_up, delta = rand(t, 2 * hidden), rand(t, 2 * hidden, dtype=torch.float32) * 0.01
+    assert torch.equal(triton_fused.silu_mul(gate_up.clone(), delta),
+                       triton_fused.silu_mul(gate_up.clone().add_(delta)))
+
+    x, residual, weight = rand(t, hidden), rand(t, hidden), rand(hidden)
+    delta = rand(t, hidden, dtype=torch.float32) * 0.01
+    residual_ref = residual.clone()
+    normed = triton_fused.add_rms_norm(x.clone(), residual, weight, 1e-6, delta)
+    assert torch.equal(normed, triton_fused.add_rms_norm(x.clone().add_(delta), residual_ref, weight, 1e-6))
+    assert torch.equal(residual, residual_ref)
+
+
 def test_fp8_kv_cache_engine_in_cuda_graphs_agrees_with_bfloat16(tiny_llama_dir):
     """An FP8 cache under a bf16 model: prompts of 100-200 tokens prefilled 48 a step (the varlen
     kernel reading the cached prefix, dequantized) and decode steps replayed from CUDA graphs.

@@ -231,6 +231,48 @@ def lora(rows: int, outs: list[int], width: int, rank: int = 16) -> None:
          copy_us=_graph_us(base.clone))
 
 
+def lora_beside(rows: int, layers: int = 32) -> None:
+    """A decode step's adapted linears at the 8B shape (one layer's weights, run `layers` times), one
+    rank-16 adapter on every row, replayed from a graph: the base matmuls alone; with the adapter
+    kernels after each matmul, in place; beside it on a side stream (SlotBatch.beside) with the
+    delta then added by a kernel of its own; and beside it with the delta left to the next kernel,
+    which reads the projection anyway (what the engine does up to BESIDE_MAX_ROWS)."""
+    from types import SimpleNamespace
+
+    from app.engine.lora import SlotBatch, rows_per_block
+
+    modules = []
+    for outs, width in (([4096, 1024, 1024], 4096), ([4096], 4096), ([14336, 14336], 4096), ([4096], 14336)):
+        n = sum(outs)
+        a = torch.randn(2, len(outs) * 16, width, device="cuda", dtype=torch.bfloat16) * width ** -0.5
+        b = torch.randn(2, n, 16, device="cuda", dtype=torch.bfloat16) * 16 ** -0.5
+        modules.append((len(modules), torch.randn(n, width, device="cuda", dtype=torch.bfloat16) * width ** -0.5,
+                        torch.randn(rows, width, device="cuda", dtype=torch.bfloat16), a, b,
+                        [sum(outs[:i]) for i in range(len(outs))]))
+    slots = SimpleNamespace(weights={key: (a, b, offsets) for key, _, _, a, b, offsets in modules},
+                            side_stream=torch.cuda.Stream())
+    block = rows_per_block(rows)
+    items = torch.tensor([[1, i, rows] for i in range(0, rows, block)], dtype=torch.int32, device="cuda")
+    batch = SlotBatch(slots, torch.arange(rows, device="cuda"), items, block, beside_matmuls=True)
+
+    def step(lora: str | None):
+        for _ in range(layers):
+            for key, w, x, _, _, offsets in modules:
+                if lora in ("beside", "beside + add"):
+                    with batch.beside(x, key, w.shape[0]) as delta:
+                        y = F.linear(x, w)
+                    if lora == "beside + add":
+                        y.add_(delta)
+                else:
+                    y = F.linear(x, w)
+                    if lora == "in place":
+                        batch.apply(x, y, key, offsets)
+
+    times = {name: _graph_us(lambda: step(name)) for name in (None, "in place", "beside + add", "beside")}
+    _row(kernel="lora_beside", rows=rows, layers=layers, base_us=times[None], in_place_us=times["in place"],
+         beside_add_us=times["beside + add"], beside_us=times["beside"])
+
+
 def _loras() -> None:
     for rows in (1, 4, 16):
         for outs, width in (([4096, 1024, 1024], 4096), ([4096], 4096), ([14336, 14336], 4096), ([4096], 14336)):
@@ -278,7 +320,13 @@ def _moes() -> None:
         _attempt(moe, tokens)
 
 
-SECTIONS = {"decode": _decodes, "add_norm": _add_norms, "prefill": _prefills, "moe": _moes, "fp8": _fp8s, "lora": _loras}
+def _lora_besides() -> None:
+    for rows in (1, 16, 64):
+        _attempt(lora_beside, rows)
+
+
+SECTIONS = {"decode": _decodes, "add_norm": _add_norms, "prefill": _prefills, "moe": _moes, "fp8": _fp8s, "lora": _loras,
+            "lora_beside": _lora_besides}
 
 
 def main() -> None:

@@ -51,21 +51,26 @@ class TorchKernels:
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
         return weight * h.to(x.dtype)
 
-    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
-                     in_float32: bool) -> torch.Tensor:
-        """residual += x, in place; returns the norm of the sum."""
-        return self.rms_norm(residual.add_(x), weight, eps, in_float32)
+    # `delta` (add_rms_norm, silu_mul, rotary_store): the LoRA delta of the projection whose output
+    # they read, float32, where a CUDA graph computed it beside the matmul (lora.SlotBatch.beside);
+    # added to that output first, rounded as the projection's own add would have.
 
-    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        gate, up = gate_up.chunk(2, dim=-1)
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                     in_float32: bool, delta: torch.Tensor | None = None) -> torch.Tensor:
+        """residual += x, in place; returns the norm of the sum."""
+        return self.rms_norm(residual.add_(with_delta(x, delta)), weight, eps, in_float32)
+
+    def silu_mul(self, gate_up: torch.Tensor, delta: torch.Tensor | None = None) -> torch.Tensor:
+        gate, up = with_delta(gate_up, delta).chunk(2, dim=-1)
         return F.silu(gate).mul_(up)
 
     def rotary_store(self, qkv: torch.Tensor, num_heads: int, num_kv_heads: int, cos: torch.Tensor,
                      sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
-                     kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None):
+                     kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None, delta: torch.Tensor | None = None):
         """Split qkv [T, (H + 2 KVH) * D] into q [T, H, D], k, v [T, KVH, D], rotate q and k (cos, sin:
         [T, 1, D]) and write k and v into their cache slots. k and v come back as the cache holds them
         (an FP8 cache: divided by kv_scales' key and value scale, rounded, multiplied back)."""
+        qkv = with_delta(qkv, delta)
         t, head_dim = qkv.shape[0], k_cache.shape[-1]
         q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
         q, k = _rotate(q.view(t, num_heads, head_dim), cos, sin), _rotate(k.view(t, num_kv_heads, head_dim), cos, sin)
@@ -118,19 +123,18 @@ class CudaKernels(TorchKernels):
         # for a fraction of the seven kernels of the unfused norm, which bound a small decode step.
         return F.rms_norm(x, weight.shape, weight, eps)
 
-    def add_rms_norm(self, x, residual, weight, eps, in_float32):
+    def add_rms_norm(self, x, residual, weight, eps, in_float32, delta=None):
         # float32 inside, one rounding: with a float32 weight (Gemma's 1 + w) that is Gemma's norm too.
-        return self.triton_fused.add_rms_norm(x, residual, weight, eps)
+        return self.triton_fused.add_rms_norm(x, residual, weight, eps, delta)
 
-    def silu_mul(self, gate_up):
-        return self.triton_fused.silu_mul(gate_up)
+    def silu_mul(self, gate_up, delta=None):
+        return self.triton_fused.silu_mul(gate_up, delta)
 
-    def rotary_store(self, qkv, num_heads, num_kv_heads, cos, sin, k_cache, v_cache, slots, kv_scales=None):
+    def rotary_store(self, qkv, num_heads, num_kv_heads, cos, sin, k_cache, v_cache, slots, kv_scales=None,
+                     delta=None):
         half = k_cache.shape[-1] // 2
-        if half & (half - 1):  # the fused kernel's tile is a power of 2
-            return super().rotary_store(qkv, num_heads, num_kv_heads, cos, sin, k_cache, v_cache, slots, kv_scales)
-        return self.triton_fused.rotary_store(qkv, num_heads, num_kv_heads, cos, sin, k_cache, v_cache, slots,
-                                              kv_scales)
+        fused = self.triton_fused if not half & (half - 1) else super()  # the fused kernel's tile is a power of 2
+        return fused.rotary_store(qkv, num_heads, num_kv_heads, cos, sin, k_cache, v_cache, slots, kv_scales, delta)
 
     def _decode(self, q, k_cache, v_cache, meta, scale, window, softcap, kv_scales, out=None):
         return self.triton_attention.paged_decode(q, k_cache, v_cache, meta.decode_block_tables,
@@ -147,6 +151,11 @@ class CudaKernels(TorchKernels):
 
 def select_kernels(device: torch.device, dtype: torch.dtype) -> TorchKernels:
     return CudaKernels(device, dtype) if device.type == "cuda" else TorchKernels(device, dtype)
+
+
+def with_delta(x: torch.Tensor, delta: torch.Tensor | None) -> torch.Tensor:
+    """x += a LoRA delta (float32), in place, one rounding to x's dtype; x itself where there is none."""
+    return x if delta is None else x.add_(delta)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

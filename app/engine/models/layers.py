@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from app.engine.models.kernels import FP8, FP8_MAX, TorchKernels, fp8_linear
+from app.engine.models.kernels import FP8, FP8_MAX, TorchKernels, fp8_linear, with_delta
 from app.engine.parallel import SINGLE, TensorParallel
 
 
@@ -100,14 +100,7 @@ class MergedLinear(nn.Module):
         self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, 64)
 
     def forward(self, x: torch.Tensor, lora=None) -> torch.Tensor:
-        # A row linear's bias is added once, after the partial sums are reduced.
-        bias = None if self.reduces else self.bias
-        if self.weight_scale is not None:
-            y = self.fp8_matmul(x, self.weight, self.weight_scale, bias)
-        elif self.packed is not None:
-            y = torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
-        else:
-            y = F.linear(x, self.weight, bias)
+        y = self._matmul(x)
         if lora is not None:  # before the reduce: a row linear's adapter input is sliced too
             y = lora.apply(x, y, self.lora_key, self.offsets)
         if self.reduces:
@@ -115,6 +108,26 @@ class MergedLinear(nn.Module):
             if self.bias is not None:
                 y = y + self.bias
         return y
+
+    def forward_split(self, x: torch.Tensor, lora=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(y, its LoRA delta still to add, or None). Where `lora` runs adapters beside the matmul (in
+        a CUDA graph, SlotBatch.beside), the delta comes back apart, float32, for the kernel that reads
+        y next to add (kernels.py, `delta`): the adapter's kernels then overlap the matmul and its add
+        costs no launch of its own. Otherwise y holds everything, as forward returns it."""
+        if lora is None or self.reduces or not lora.runs_beside(self.lora_key):
+            return self.forward(x, lora), None
+        with lora.beside(x, self.lora_key, self.weight.shape[0]) as delta:
+            y = self._matmul(x)
+        return y, delta
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        # A row linear's bias is added once, after the partial sums are reduced.
+        bias = None if self.reduces else self.bias
+        if self.weight_scale is not None:
+            return self.fp8_matmul(x, self.weight, self.weight_scale, bias)
+        if self.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
+        return F.linear(x, self.weight, bias)
 
 
 class Linear(MergedLinear):
@@ -137,12 +150,12 @@ class RMSNorm(nn.Module):
     def load(self, tensor: torch.Tensor) -> None:
         self.weight.copy_(tensor.float() + 1.0 if self.unit_offset else tensor)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, delta: torch.Tensor | None = None):
         """RMSNorm(x); or, given the residual stream, adds x to it in place and returns
-        (RMSNorm(residual), residual)."""
+        (RMSNorm(residual), residual). delta: x's pending LoRA delta (MergedLinear.forward_split)."""
         if residual is None:
-            return self.kernels.rms_norm(x, self.weight, self.eps, self.unit_offset)
-        return self.kernels.add_rms_norm(x, residual, self.weight, self.eps, self.unit_offset), residual
+            return self.kernels.rms_norm(with_delta(x, delta), self.weight, self.eps, self.unit_offset)
+        return self.kernels.add_rms_norm(x, residual, self.weight, self.eps, self.unit_offset, delta), residual
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:

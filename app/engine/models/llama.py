@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from app.engine.models.attention import AttentionMetadata
-from app.engine.models.kernels import TorchKernels
+from app.engine.models.kernels import TorchKernels, with_delta
 from app.engine.models.layers import Linear, MergedLinear, RMSNorm, RotaryEmbedding
 from app.engine.models.moe import SparseMoE
 from app.engine.parallel import SINGLE, ParallelLayout, TensorParallel
@@ -127,8 +127,9 @@ class Attention(nn.Module):
         self.register_buffer("v_scale", torch.ones((), dtype=torch.float32), persistent=False)
 
     def forward(self, x, rope, kv_cache, meta: AttentionMetadata, lora):
-        qkv = self.qkv_proj(x, lora)
+        """(the attention block's output, o_proj's pending LoRA delta or None: MergedLinear.forward_split)"""
         t = x.shape[0]
+        qkv, delta = self.qkv_proj.forward_split(x, lora) if self.q_norm is None else (self.qkv_proj(x, lora), None)
         if self.q_norm is not None:  # in place, so the rotation below takes the normed heads
             q_size, kv_size = self.split[0], self.split[1]
             q = qkv[:, :q_size].view(t, self.num_heads, self.head_dim)
@@ -137,10 +138,10 @@ class Attention(nn.Module):
             k.copy_(self.k_norm(k))
         scales = (self.k_scale, self.v_scale)
         q, k, v = self.kernels.rotary_store(qkv, self.num_heads, self.num_kv_heads, *rope, kv_cache[0], kv_cache[1],
-                                            meta.slot_mapping, scales)
+                                            meta.slot_mapping, scales, delta)
         o = self.kernels.attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.window, self.softcap,
                                    scales)
-        return self.o_proj(o.view(t, -1), lora)
+        return self.o_proj.forward_split(o.view(t, -1), lora)
 
 
 class MLP(nn.Module):
@@ -152,11 +153,13 @@ class MLP(nn.Module):
         self.gelu = cfg.hidden_act == "gelu_pytorch_tanh"
 
     def forward(self, x, lora):
-        gate_up = self.gate_up_proj(x, lora)
+        """(the MLP's output, down_proj's pending LoRA delta or None: MergedLinear.forward_split)"""
         if self.gelu:
-            gate, up = gate_up.chunk(2, dim=-1)
-            return self.down_proj(F.gelu(gate, approximate="tanh").mul_(up), lora)
-        return self.down_proj(self.kernels.silu_mul(gate_up), lora)
+            gate, up = self.gate_up_proj(x, lora).chunk(2, dim=-1)
+            h = F.gelu(gate, approximate="tanh").mul_(up)
+        else:
+            h = self.kernels.silu_mul(*self.gate_up_proj.forward_split(x, lora))
+        return self.down_proj.forward_split(h, lora)
 
 
 class DecoderLayer(nn.Module):
@@ -175,19 +178,25 @@ class DecoderLayer(nn.Module):
         self.mlp = SparseMoE(cfg.hidden_size, cfg.intermediate_size, cfg.num_experts, cfg.experts_per_token, dtype, tp) \
             if cfg.num_experts else MLP(cfg, dtype, tp, kernels)
 
-    def forward(self, x, residual, rope, kv_cache, meta, lora):
-        """x: the previous layer's MLP output, added here to the residual stream (None before the
-        first layer, whose x is the stream itself). Returns this layer's MLP output and the stream."""
+    def forward(self, x, x_delta, residual, rope, kv_cache, meta, lora):
+        """x: the previous layer's MLP output (x_delta: its pending LoRA delta, or None), added here to
+        the residual stream (None before the first layer, whose x is the stream itself). Returns this
+        layer's MLP output, its pending delta and the stream."""
         if residual is None:
             residual, h = x, self.input_layernorm(x)
         else:
-            h, residual = self.input_layernorm(x, residual)
-        h = self.self_attn(h, rope, kv_cache, meta, lora)
+            h, residual = self.input_layernorm(x, residual, x_delta)
+        h, delta = self.self_attn(h, rope, kv_cache, meta, lora)
         if self.pre_feedforward_layernorm is not None:
-            h, residual = self.pre_feedforward_layernorm(self.post_attention_layernorm(h), residual)
-            return self.post_feedforward_layernorm(self.mlp(h, lora)), residual
-        h, residual = self.post_attention_layernorm(h, residual)
-        return self.mlp(h, lora), residual
+            h, residual = self.pre_feedforward_layernorm(self.post_attention_layernorm(h, delta=delta), residual)
+            out, delta = self._mlp(h, lora)
+            return self.post_feedforward_layernorm(out, delta=delta), None, residual
+        h, residual = self.post_attention_layernorm(h, residual, delta)
+        return *self._mlp(h, lora), residual
+
+    def _mlp(self, h, lora):
+        """(output, pending LoRA delta): adapters do not reach a mixture of experts."""
+        return self.mlp(h, lora) if isinstance(self.mlp, MLP) else (self.mlp(h), None)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -285,10 +294,10 @@ class LlamaForCausalLM(nn.Module):
         if hidden is None and self.embed_scale is not None:
             x = x * self.embed_scale
         rope = self.rotary.table(positions, x.dtype)
-        residual = None
+        residual = delta = None
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x, residual = layer(x, residual, rope, kv_cache, meta, lora)
-        return x, residual
+            x, delta, residual = layer(x, delta, residual, rope, kv_cache, meta, lora)
+        return with_delta(x, delta), residual
 
     def head(self, x, residual, logits_indices):
         """Float32 logits of the rows in logits_indices (last stage)."""

@@ -41,8 +41,8 @@ class SparseMoE(nn.Module):
         rows = tensor.chunk(self.tp.size, dim=0)[self.tp.rank]
         self.w13[expert, half * self.intermediate:(half + 1) * self.intermediate].copy_(rows)
 
-    def forward(self, x: torch.Tensor, lora=None) -> torch.Tensor:
-        """`lora` is accepted for the dense MLP's signature: adapters do not reach the experts.
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Adapters do not reach the experts (LlamaForCausalLM.lora_shapes).
 
         Every (token, chosen expert) pair becomes a row, rows are sorted by expert, and each of the two
         expert matmuls is one grouped GEMM over those segments: one launch for all experts, the

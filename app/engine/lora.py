@@ -182,10 +182,10 @@ class SlotBatch:
         main, side = torch.cuda.current_stream(x.device), self.slots.side_stream
         delta = torch.empty(x.shape[0], width, dtype=torch.float32, device=x.device)
         side.wait_stream(main)
-        with torch.cuda.stream(side):
-            delta.zero_()  # rows without an adapter get no work item
-            self.apply_weights(x, delta, a, b, offsets)
-        try:
+        try:  # joined whatever fails: a capture with an unjoined stream cannot even be ended
+            with torch.cuda.stream(side):
+                delta.zero_()  # rows without an adapter get no work item
+                self.apply_weights(x, delta, a, b, offsets)
             yield delta
         finally:
             main.wait_stream(side)

@@ -496,8 +496,8 @@ def test_fp8_kv_cache_triton_write_and_decode_against_the_bfloat16_cache():
 def test_fused_kernels_add_a_lora_delta_as_the_projection_would(kv_dtype):
     """rotary_store, silu_mul and add_rms_norm given a projection's float32 LoRA delta (what a graph
     computes beside the matmul) equal, bit for bit, the same kernels over the projection's output
-    with the delta added in place first (what the adapter kernels do outside graphs); v reaches
-    qkv with its delta too, as attention over a prefill chunk reads it there."""
+    after `output.add_(delta)`; v reaches qkv with its delta too, as attention over a prefill chunk
+    reads it there."""
     from app.engine.models import triton_fused
     from app.engine.models.attention import FP8
     from app.engine.models.layers import RotaryEmbedding

@@ -53,7 +53,7 @@ class TorchKernels:
 
     # `delta` (add_rms_norm, silu_mul, rotary_store): the LoRA delta of the projection whose output
     # they read, float32, where a CUDA graph computed it beside the matmul (lora.SlotBatch.beside);
-    # added to that output first, rounded as the projection's own add would have.
+    # added to that output first, rounded as `output.add_(delta)` would.
 
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
                      in_float32: bool, delta: torch.Tensor | None = None) -> torch.Tensor:

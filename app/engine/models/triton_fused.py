@@ -11,7 +11,7 @@ rotary alone was ten kernels per layer, the cache writes two more, SiLU * up two
 All compute in float32 and round once, which is exact in float32 and within bf16 rounding of the
 unfused path in 16-bit. Each also takes the LoRA delta (float32) of the projection it reads, where
 a CUDA graph computed that beside the base matmul (lora.SlotBatch.beside), and rounds it into its
-input exactly as the projection's own in-place add would have: one launch fewer per adapted module.
+input as `y.add_(delta)` would: one launch fewer per adapted module.
 """
 from __future__ import annotations
 
@@ -171,4 +171,5 @@ def _or(delta: torch.Tensor | None, placeholder: torch.Tensor) -> torch.Tensor:
 
 
 def _stride(delta: torch.Tensor | None) -> int:
+    assert delta is None or delta.stride(1) == 1, "a LoRA delta is laid out as the projection's output"
     return 0 if delta is None else delta.stride(0)

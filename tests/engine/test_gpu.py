@@ -230,6 +230,53 @@ def test_lora_slots_equal_peft_and_replay_from_cuda_graphs_in_bfloat16(tiny_llam
         assert max(abs(a - b) for a, b in zip(logprobs, ref_logprobs)) < 0.05
 
 
+@pytest.mark.parametrize("variant", ["gemma2", "qwen3-qk-norm"])
+def test_lora_beside_the_matmuls_equals_eager_in_float32(tmp_path, monkeypatch, variant):
+    """Families where not every adapted output reaches a kernel that adds its delta: Gemma 2 (GELU,
+    post-norms after o and down) and Qwen3 (q/k norms before the rotation). In graphs, where adapters
+    run beside the matmuls (lora.SlotBatch.beside), the same greedy tokens as the engine stepping
+    eagerly with the adapter kernels in place, with base and adapted requests in one batch."""
+    from peft import LoraConfig, get_peft_model
+
+    from app.engine.lora import BESIDE_MAX_ROWS, SlotBatch
+    from tests.conftest import run_staggered
+    from tests.engine.test_models import _save_tiny
+
+    model = _save_tiny(tmp_path / "model", variant)
+    torch.manual_seed(5)
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    adapted = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=targets, init_lora_weights=False))
+    for module in adapted.modules():
+        if hasattr(module, "lora_B"):
+            for b in module.lora_B.values():
+                torch.nn.init.normal_(b.weight, std=0.5)
+    adapted.save_pretrained(tmp_path / "adapter")
+    prompts = random_prompts(6, 10, 60, 200, seed=11)
+    adapters = ["a", None, "a", "a", None, "a"]
+    captured = []  # modules whose graphs run the adapter beside the matmul
+    beside = SlotBatch.beside
+
+    def counting(self, x, key, width):
+        captured.append(key)
+        return beside(self, x, key, width)
+    monkeypatch.setattr(SlotBatch, "beside", counting)
+
+    def run(cuda_graphs: bool):
+        engine = _engine(tmp_path / "model", "float32", cuda_graphs=cuda_graphs)
+        engine.add_lora("a", tmp_path / "adapter")
+        if cuda_graphs:
+            assert engine.runner.shard.graphs.with_lora and engine.runner.shard.graphs.max_batch_size > len(prompts)
+        outputs = run_staggered(engine, prompts, SamplingParams(max_tokens=24, temperature=0.0), [0, 0, 1, 2, 2, 3],
+                                adapters)
+        return [out.outputs[0].token_ids for out in outputs]
+
+    assert len(prompts) <= BESIDE_MAX_ROWS  # every decode step beside
+    assert run(True) == run(False)
+    assert {path for _, path in captured} == {"self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj",
+                                              "mlp.down_proj"} - ({"mlp.gate_up_proj"} if variant == "gemma2" else
+                                                                  {"self_attn.qkv_proj"})
+
+
 def test_speculative_greedy_equals_plain_decoding_in_float32_with_cuda_graphs(tiny_llama_dir):
     """Guesses ride in decode graphs as rows of their own (four sequences of up to five rows each),
     between overlapped steps: the greedy tokens are plain decoding's. A random model repeats itself

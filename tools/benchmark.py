@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a scri
 from app.engine import EngineConfig, LLMEngine, SamplingParams
 from app.engine.worker import resolve_dtype
 from tools.bench.engine_runner import run_engine
-from tools.bench.report import table
+from tools.bench.report import stages_table, table
 from tools.bench.workload import synthetic
 
 
@@ -192,6 +192,8 @@ def serve_command(args) -> dict:
                 if names:
                     results.append(run_load(url, args.route, name, spread[c], run + label, p))
     print(table(results))
+    if stages := stages_table(results):
+        print(stages)
     device = torch.cuda.get_device_name() if torch.cuda.is_initialized() else config.device
     return {"command": "serve", "args": vars(args), "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
             "machine": {"platform": platform.platform(), "torch": torch.__version__, "device": device,

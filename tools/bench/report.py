@@ -11,6 +11,7 @@ class RequestTiming:
     e2e_s: float
     output_tokens: int
     itl_s: list[float]  # gaps between successive chunks
+    ttft_stages_s: dict[str, float] | None = None  # TTFT split by stage (serve_runner, Triton route)
 
     @property
     def tpot_s(self) -> float | None:
@@ -29,6 +30,7 @@ class RunResult:
     itl_ms: dict | None = None
     e2e_ms: dict | None = None
     extra: dict | None = None
+    ttft_stages_ms: dict | None = None  # stage -> percentiles, where the requests reported stages
     output_lens: list[int] | None = field(default=None, repr=False)  # per request (not reported)
 
     @property
@@ -61,7 +63,24 @@ def summarize(name: str, wall_s: float, timings: list[RequestTiming], input_toke
         input_tokens=input_tokens, ttft_ms=percentiles([t.ttft_s for t in timings]),
         tpot_ms=percentiles([t.tpot_s for t in timings if t.tpot_s is not None]),
         itl_ms=percentiles([gap for t in timings for gap in t.itl_s]),
-        e2e_ms=percentiles([t.e2e_s for t in timings]), extra=extra)
+        e2e_ms=percentiles([t.e2e_s for t in timings]), extra=extra, ttft_stages_ms=_stages(timings))
+
+
+def _stages(timings: list[RequestTiming]) -> dict | None:
+    staged = [t.ttft_stages_s for t in timings if t.ttft_stages_s]
+    return {stage: percentiles([s[stage] for s in staged]) for stage in staged[0]} if staged else None
+
+
+def stages_table(results: list[RunResult]) -> str:
+    """TTFT by stage, p50 / p90 ms, for the runs that measured stages (empty where none did)."""
+    staged = [r for r in results if r.ttft_stages_ms]
+    if not staged:
+        return ""
+    stages = list(staged[0].ttft_stages_ms)
+    rows = [["TTFT by stage, p50 / p90 ms"] + stages]
+    rows += [[r.name] + [f"{r.ttft_stages_ms[s]['p50']:.1f} / {r.ttft_stages_ms[s]['p90']:.1f}" for s in stages]
+             for r in staged]
+    return _columns(rows)
 
 
 def table(results: list[RunResult], baseline: str | None = None) -> str:
@@ -79,7 +98,12 @@ def table(results: list[RunResult], baseline: str | None = None) -> str:
         if base:
             row.append(f"{r.output_tok_s / base.output_tok_s:.2f}")
         rows.append(row)
-    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    return _columns(rows)
+
+
+def _columns(rows: list[list[str]]) -> str:
+    """Rows of cells as fixed-width text: the first column left-aligned, a rule under the header."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(cell.rjust(w) if i else cell.ljust(w) for i, (cell, w) in enumerate(zip(row, widths)))
              for row in rows]
     lines.insert(1, "-" * len(lines[0]))

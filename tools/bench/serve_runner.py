@@ -5,6 +5,12 @@ tokens a second over hundreds of streams) that process can become the bound. `ru
 processes=P)` spreads one level over P processes (request i goes to process i mod P, concurrency
 split evenly), starts them together behind a barrier and merges their timings into one result, so
 running the same level with P and 2P processes shows whether the client limits the total.
+
+On the Triton route each request asks for the engine's perf metrics, whose wall-clock stamps
+(arrival, first scheduled, first token) split its TTFT into stages: to the engine (Ingress,
+Tokenizer and the hops between them), queued in the engine, its first step, and back to the client
+(Detokenizer, Ingress, proxy). The stamps come from the server's clock: with client and server on
+one host the stages add up to the TTFT the client saw.
 """
 from __future__ import annotations
 
@@ -29,7 +35,8 @@ def _request(route: str, model: str, prompt: list[int], wl: Workload) -> tuple[s
                                    "ignore_eos": wl.ignore_eos, "stream": True}
     return "/v2/models/tensorrt_llm/generate_stream", {
         "input_ids": prompt, "request_output_len": wl.output_len, "exclude_input_in_output": True,
-        "temperature": wl.temperature, "runtime_top_p": wl.top_p, "ignore_eos": wl.ignore_eos, "stream": True}
+        "temperature": wl.temperature, "runtime_top_p": wl.top_p, "ignore_eos": wl.ignore_eos, "stream": True,
+        "return_perf_metrics": True}
 
 
 def _tokens_in(event: dict, route: str) -> int:
@@ -41,8 +48,8 @@ def _tokens_in(event: dict, route: str) -> int:
 async def _one(session: aiohttp.ClientSession, url: str, route: str, model: str, prompt: list[int],
                wl: Workload) -> RequestTiming:
     path, body = _request(route, model, prompt, wl)
-    start = time.perf_counter()
-    stamps, tokens = [], 0
+    start, sent = time.perf_counter(), time.time()
+    stamps, tokens, first, perf = [], 0, 0.0, None
     async with session.post(url + path, json=body) as response:
         if response.status != 200:
             raise RuntimeError(f"HTTP {response.status}: {(await response.read())[:200]!r}")
@@ -57,9 +64,22 @@ async def _one(session: aiohttp.ClientSession, url: str, route: str, model: str,
                 n = event["usage"]["completion_tokens"] - tokens
             if n:
                 stamps.append(time.perf_counter())
+                first = first or time.time()
                 tokens += n
+            if "first_token_time_ns" in event:  # the last event's perf metrics
+                perf = event
     return RequestTiming(ttft_s=stamps[0] - start, e2e_s=stamps[-1] - start, output_tokens=tokens,
-                         itl_s=[b - a for a, b in zip(stamps, stamps[1:])])
+                         itl_s=[b - a for a, b in zip(stamps, stamps[1:])],
+                         ttft_stages_s=_ttft_stages(sent, first, perf) if perf else None)
+
+
+def _ttft_stages(sent: float, first: float, perf: dict) -> dict[str, float]:
+    """Where a request's TTFT went, in seconds, from the client's wall clock (sent, first token seen)
+    and the engine's stamps."""
+    arrival, scheduled, first_token = (perf[key] / 1e9 for key in
+                                       ("arrival_time_ns", "first_scheduled_time_ns", "first_token_time_ns"))
+    return {"to engine": arrival - sent, "queued": scheduled - arrival, "first step": first_token - scheduled,
+            "to client": first - first_token}
 
 
 async def run_http(url: str, route: str, model: str, wl: Workload, name: str) -> RunResult:

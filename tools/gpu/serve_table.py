@@ -5,7 +5,8 @@
 
 One row per route and level: the engine alone, the DAG from each number of client processes
 measured, the DAG's share of the engine, the run with twice the client processes against it (near
-1.0: the client is not the bound), and p50 latencies of the engine and the DAG.
+1.0: the client is not the bound), and p50 latencies of the engine and the DAG. Then, where the runs
+measured them (the Triton route), the DAG's TTFT by stage.
 """
 from __future__ import annotations
 
@@ -66,6 +67,20 @@ def markdown(by_engine: dict, by_dag: dict, clients: int | None = None) -> str:
     return "\n".join(lines)
 
 
+def stages_markdown(by_dag: dict) -> str:
+    """The DAG's TTFT by stage, p50 / p90 ms, for the runs that measured stages (the Triton route)."""
+    staged = {key: row["ttft_stages_ms"] for key, row in sorted(by_dag.items()) if row.get("ttft_stages_ms")}
+    if not staged:
+        return ""
+    stages = list(next(iter(staged.values())))
+    lines = ["| route | streams | clients | " + " | ".join(f"{s} p50 / p90 ms" for s in stages) + " |",
+             "| --- |" + " ---: |" * (2 + len(stages))]
+    for (route, c, p), row in staged.items():
+        cells = " | ".join(f"{row[s]['p50']:,.1f} / {row[s]['p90']:,.1f}" for s in stages)
+        lines.append(f"| {route} | {c} | {p} | {cells} |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("directory", type=Path)
@@ -76,6 +91,8 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     by_engine, by_dag, device = load(args.directory, args.prefix, args.engine)
     print(f"device: {device}\n" + markdown(by_engine, by_dag, args.clients))
+    if stages := stages_markdown(by_dag):
+        print("\nTTFT by stage (the DAG):\n" + stages)
 
 
 if __name__ == "__main__":

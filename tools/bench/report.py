@@ -30,7 +30,8 @@ class RunResult:
     itl_ms: dict | None = None
     e2e_ms: dict | None = None
     extra: dict | None = None
-    ttft_stages_ms: dict | None = None  # stage -> percentiles, where the requests reported stages
+    ttft_stages_ms: dict | None = None  # stage -> percentiles over the requests that reported stages
+    ttft_stages_requests: int = 0  # how many did
     output_lens: list[int] | None = field(default=None, repr=False)  # per request (not reported)
 
     @property
@@ -63,7 +64,8 @@ def summarize(name: str, wall_s: float, timings: list[RequestTiming], input_toke
         input_tokens=input_tokens, ttft_ms=percentiles([t.ttft_s for t in timings]),
         tpot_ms=percentiles([t.tpot_s for t in timings if t.tpot_s is not None]),
         itl_ms=percentiles([gap for t in timings for gap in t.itl_s]),
-        e2e_ms=percentiles([t.e2e_s for t in timings]), extra=extra, ttft_stages_ms=_stages(timings))
+        e2e_ms=percentiles([t.e2e_s for t in timings]), extra=extra, ttft_stages_ms=_stages(timings),
+        ttft_stages_requests=sum(1 for t in timings if t.ttft_stages_s))
 
 
 def _stages(timings: list[RequestTiming]) -> dict | None:
@@ -77,9 +79,9 @@ def stages_table(results: list[RunResult]) -> str:
     if not staged:
         return ""
     stages = list(staged[0].ttft_stages_ms)
-    rows = [["TTFT by stage, p50 / p90 ms"] + stages]
-    rows += [[r.name] + [f"{r.ttft_stages_ms[s]['p50']:.1f} / {r.ttft_stages_ms[s]['p90']:.1f}" for s in stages]
-             for r in staged]
+    rows = [["TTFT by stage, p50 / p90 ms (requests with stages)"] + stages]
+    rows += [[f"{r.name} ({r.ttft_stages_requests}/{r.num_requests})"]
+             + [f"{r.ttft_stages_ms[s]['p50']:.1f} / {r.ttft_stages_ms[s]['p90']:.1f}" for s in stages] for r in staged]
     return _columns(rows)
 
 

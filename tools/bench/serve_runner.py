@@ -6,11 +6,17 @@ processes=P)` spreads one level over P processes (request i goes to process i mo
 split evenly), starts them together behind a barrier and merges their timings into one result, so
 running the same level with P and 2P processes shows whether the client limits the total.
 
-On the Triton route each request asks for the engine's perf metrics, whose wall-clock stamps
-(arrival, first scheduled, first token) split its TTFT into stages: to the engine (Ingress,
-Tokenizer and the hops between them), queued in the engine, its first step, and back to the client
-(Detokenizer, Ingress, proxy). The stamps come from the server's clock: with client and server on
-one host the stages add up to the TTFT the client saw.
+On the Triton route each request asks for the engine's perf metrics, whose wall-clock stamps split
+its TTFT into stages (our torch engine stamps with time.time_ns(); other backends' clocks may not
+be the epoch, and the client must share the server's clock, i.e. run on its host):
+- to engine: from the client starting the request (its own send included) through the proxy,
+  Ingress, Tokenizer and Detokenizer hops until the Engine replica takes it (arrival);
+- queued: to the engine process and its scheduler, until a step first takes it;
+- first step: until its first token is read back on the host; under the overlap scheduler that
+  spans the step in flight when it was scheduled, its own step, and the host's launch of the next;
+- to client: from there through the Detokenizer, Ingress and proxy to the client.
+Requests without every stamp (one cut short by a stop string before the engine's last event) have
+no stages; a run reports how many do.
 """
 from __future__ import annotations
 
@@ -70,14 +76,17 @@ async def _one(session: aiohttp.ClientSession, url: str, route: str, model: str,
                 perf = event
     return RequestTiming(ttft_s=stamps[0] - start, e2e_s=stamps[-1] - start, output_tokens=tokens,
                          itl_s=[b - a for a, b in zip(stamps, stamps[1:])],
-                         ttft_stages_s=_ttft_stages(sent, first, perf) if perf else None)
+                         ttft_stages_s=_ttft_stages(sent, first, perf))
 
 
-def _ttft_stages(sent: float, first: float, perf: dict) -> dict[str, float]:
+def _ttft_stages(sent: float, first: float, perf: dict | None) -> dict[str, float] | None:
     """Where a request's TTFT went, in seconds, from the client's wall clock (sent, first token seen)
-    and the engine's stamps."""
-    arrival, scheduled, first_token = (perf[key] / 1e9 for key in
-                                       ("arrival_time_ns", "first_scheduled_time_ns", "first_token_time_ns"))
+    and the engine's stamps; None where a stamp is missing (0: never scheduled, no token)."""
+    stamps = [perf.get(key, 0) / 1e9 for key in ("arrival_time_ns", "first_scheduled_time_ns",
+                                                 "first_token_time_ns")] if perf else [0.0]
+    if not first or not all(stamps):
+        return None
+    arrival, scheduled, first_token = stamps
     return {"to engine": arrival - sent, "queued": scheduled - arrival, "first step": first_token - scheduled,
             "to client": first - first_token}
 

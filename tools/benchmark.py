@@ -36,7 +36,7 @@ from app.engine import EngineConfig, LLMEngine, SamplingParams
 from app.engine.worker import resolve_dtype
 from tools.bench.engine_runner import run_engine
 from tools.bench.report import stages_table, table
-from tools.bench.workload import synthetic
+from tools.bench.workload import fresh_prompts, run_seed, synthetic
 
 
 def engine_command(args) -> dict:
@@ -71,7 +71,7 @@ def engine_command(args) -> dict:
         print(", ".join(f"{key} {value:.1f}" for key, value in load_times.items()), flush=True)
         wl.adapters = None
     if args.guided:
-        results += _guided_run(engine, wl)
+        results += _guided_run(engine, wl, args.seed)
     if "hf" in args.compare:
         from tools.bench.hf_baseline import load_hf, run_sequential, run_static_batches
         model = load_hf(engine.model_dir, resolve_dtype(args.dtype, torch.device(args.device)), args.device,
@@ -97,11 +97,12 @@ GUIDED_SCHEMA = {"type": "object", "properties": {
     "rating": {"enum": ["low", "medium", "high"]}}, "required": ["title", "year", "tags", "rating"]}
 
 
-def _guided_run(engine: LLMEngine, wl) -> list:
-    """The same workload with every request held to GUIDED_SCHEMA, then free again with each request
-    as long as its guided answer was (an answer ends with its object, so the guided run has more,
-    shorter requests: its baseline is the free run of the same lengths). The schema's compile time
-    cold (first sight) and cached (xgrammar's cache) goes into the guided result."""
+def _guided_run(engine: LLMEngine, wl, seed: int) -> list:
+    """The workload with every request held to GUIDED_SCHEMA, then free again with each request as
+    long as its guided answer was (an answer ends with its object, so the guided run has more,
+    shorter requests: its baseline is the free run of the same lengths). Each run has prompts of its
+    own, of the same lengths, that no earlier run cached. The schema's compile time cold (first
+    sight) and cached (xgrammar's cache) goes into the guided result."""
     from app.engine.guided import Guide
 
     guide = Guide("json_schema", json.dumps(GUIDED_SCHEMA), "bench")
@@ -110,10 +111,12 @@ def _guided_run(engine: LLMEngine, wl) -> list:
         start = time.perf_counter()
         engine.grammars.compile(guide).result()
         compiled.append((time.perf_counter() - start) * 1e3)
-    guided = run_engine(engine, wl, "ours, JSON schema guided", guide)
+    vocab = engine.limits.vocab_size
+    guided = run_engine(engine, fresh_prompts(wl, vocab, run_seed(seed, "guided")), "ours, JSON schema guided", guide)
     guided.extra = {**(guided.extra or {}), "compile_cold_ms": compiled[0], "compile_cached_ms": compiled[1]}
     print(f"schema compile: cold {compiled[0]:.1f} ms, cached {compiled[1]:.2f} ms", flush=True)
-    free = run_engine(engine, replace(wl, output_lens=guided.output_lens), "ours, free, the guided lengths")
+    free = run_engine(engine, replace(fresh_prompts(wl, vocab, run_seed(seed, "free")), output_lens=guided.output_lens),
+                      "ours, free, the guided lengths")
     return [free, guided]
 
 
@@ -156,8 +159,8 @@ def serve_command(args) -> dict:
     if len(counts) not in (1, len(args.concurrency)):
         raise SystemExit("--num-requests takes one count, or one per --concurrency level")
     counts = counts * len(args.concurrency) if len(counts) == 1 else counts
-    workloads = {c: replace(synthetic(n or max(8, 2 * c), args.input_len, args.output_len, vocab, args.seed,
-                                      args.ignore_eos, c, args.request_rate, args.arrival),
+    workloads = {c: replace(synthetic(n or max(8, 2 * c), args.input_len, args.output_len, vocab,
+                                      run_seed(args.seed, c), args.ignore_eos, c, args.request_rate, args.arrival),
                             temperature=args.temperature, top_p=args.top_p)
                  for c, n in zip(args.concurrency, counts)}
     names = sorted(config.lora_adapters)[:args.adapters]
@@ -188,9 +191,12 @@ def serve_command(args) -> dict:
             for p in dict.fromkeys(min(p, c) for p in args.client_processes):  # as given; at most one a stream
                 asyncio.run(run_http(url, args.route, name, warmup, "warm-up"))
                 run = f"dag {args.route} c={c}" + (f" x{p} clients" if p > 1 else "")
-                results.append(run_load(url, args.route, name, wl, run, p))
+                # The server outlives this command: every run, on either route, brings prompts of its own.
+                own = fresh_prompts(wl, vocab, run_seed(args.seed, args.route, c, p))
+                results.append(run_load(url, args.route, name, own, run, p))
                 if names:
-                    results.append(run_load(url, args.route, name, spread[c], run + label, p))
+                    results.append(run_load(url, args.route, name, replace(own, adapters=spread[c].adapters),
+                                            run + label, p))
     print(table(results))
     if stages := stages_table(results):
         print(stages)

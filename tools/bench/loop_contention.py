@@ -19,7 +19,7 @@ import threading
 
 from app.engine import EngineConfig, LLMEngine, SamplingParams
 from tools.bench.engine_runner import run_engine
-from tools.bench.workload import synthetic
+from tools.bench.workload import run_seed, synthetic
 
 DEFAULT_SWITCH_S = sys.getswitchinterval()
 
@@ -74,7 +74,8 @@ def main() -> None:
         for threads in args.threads:
             for interval in ([DEFAULT_SWITCH_S] + ([0.0005] if threads else [])):
                 rate = args.rate if arrivals == "staggered" else None
-                wl = synthetic(args.num_requests, "128", 128, vocab, 0, True, args.concurrency, rate)
+                wl = synthetic(args.num_requests, "128", 128, vocab, run_seed(0, arrivals, threads, interval), True,
+                               args.concurrency, rate)
                 counts.update(steps=0, prefill=0)
                 sys.setswitchinterval(interval)
                 stop = busy_threads(threads)

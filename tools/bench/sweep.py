@@ -18,7 +18,7 @@ import torch
 from app.engine import EngineConfig, LLMEngine, SamplingParams
 from app.engine.worker import resolve_dtype
 from tools.bench.engine_runner import run_engine
-from tools.bench.workload import synthetic
+from tools.bench.workload import run_seed, synthetic
 
 
 def main(argv=None) -> None:
@@ -60,10 +60,11 @@ def main(argv=None) -> None:
     vocab = engine.limits.vocab_size
     engine.generate([[100] * 16], SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
     for c in args.concurrency:
-        wl = synthetic(max(2 * c, 4), args.input_len, args.output_len, vocab, concurrency=c)
+        wl = synthetic(max(2 * c, 4), args.input_len, args.output_len, vocab, run_seed(0, c), concurrency=c)
         save("concurrency", run_engine(engine, wl, f"ours c={c}"), concurrency=c)
     for rate in args.rates:
-        wl = synthetic(args.rate_requests, args.input_len, args.output_len, vocab, concurrency=top, request_rate=rate)
+        wl = synthetic(args.rate_requests, args.input_len, args.output_len, vocab, run_seed(0, "rate", rate),
+                       concurrency=top, request_rate=rate)
         save("rates", run_engine(engine, wl, f"ours {rate:g} req/s"), rate=rate)
     engine.shutdown()
     del engine

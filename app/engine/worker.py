@@ -88,9 +88,13 @@ class ModelShard:
             if device.type == "cuda" and config.max_loras else None
         self.loras = LoRACache(config.max_loras, config.max_cpu_loras, config.max_lora_rank, device, self.dtype,
                                shapes, cfg.num_layers, self.layout.tp_size, self.layout.tp_rank, slots)
-        graph_bytes = self.graph_bytes(config, max_seq_len) if config.kv_cache_config.max_tokens is None else 0
-        num_blocks = self._count_blocks(config, max_seq_len, graph_bytes + reserved_bytes, shared_kv_bytes_per_token)
+        self.graphs, self.piecewise, self.kv_cache = None, None, None  # step_bytes runs a step before them
+        sized = config.kv_cache_config.max_tokens is None
+        taken = self.step_bytes(config, max_seq_len) + self.graph_bytes(config, max_seq_len) if sized else 0
+        num_blocks = self._count_blocks(config, max_seq_len, taken + reserved_bytes, shared_kv_bytes_per_token)
         self.allocate_pool(dist.min_int(num_blocks) if dist else num_blocks, config, max_seq_len)  # every rank the same
+        if device.type == "cuda":
+            self._warm_up(config, max_seq_len)
 
     def _captures(self, config: EngineConfig) -> bool:
         # Pipeline stages pass activations between graphs; only single-stage decode is captured.
@@ -123,6 +127,50 @@ class ModelShard:
             return decode, None
         return decode, PiecewiseGraphs(self.model, kv_caches, max_tokens, num_blocks * self.block_size, self.dtype,
                                        self.device, self.loras.slots)
+
+    @torch.inference_mode()
+    def _largest_step(self, config: EngineConfig, max_seq_len: int) -> None:
+        """The eager step of the most tokens the scheduler forms: max_num_tokens of new prompts, none
+        longer than max_seq_len, all writing the scratch block (their keys are never read again)."""
+        n, bs = config.max_num_tokens, self.block_size
+        sizes = [min(max_seq_len, n - start) for start in range(0, n, max_seq_len)]
+        starts = [sum(sizes[:i]) for i in range(len(sizes))]
+        scratch = self.kv_cache.shape[2] - 1
+        batch = StepInputs(torch.zeros(n, dtype=torch.long), torch.cat([torch.arange(size) for size in sizes]),
+                           scratch * bs + torch.arange(n) % bs, 0, None, None,
+                           [(start, size, size, []) for start, size in zip(starts, sizes)],
+                           torch.tensor([start + size - 1 for start, size in zip(starts, sizes)]))
+        hidden = None if self.layout.is_first_stage else torch.zeros(
+            n, self.model.config.hidden_size, dtype=self.dtype, device=self.device)
+        self._forward(batch, hidden)
+        torch.cuda.synchronize(self.device)
+
+    def step_bytes(self, config: EngineConfig, max_seq_len: int) -> int:
+        """Device memory the largest eager step takes beyond the weights: its activations as the
+        allocator holds them, measured over a one-block cache (0 off CUDA). The KV pool is sized
+        from what is free once this is set aside, as TensorRT-LLM's pool is sized after its
+        activation buffers: a pool that took it would run out of memory at the first long prefill."""
+        if self.device.type != "cuda":
+            return 0
+        self._allocate_cache(1)
+        torch.cuda.empty_cache()
+        free_before = torch.cuda.mem_get_info(self.device)[0]
+        self._largest_step(config, max_seq_len)
+        taken = free_before - torch.cuda.mem_get_info(self.device)[0]
+        self.kv_cache = None
+        torch.cuda.empty_cache()
+        return max(0, taken)
+
+    def _warm_up(self, config: EngineConfig, max_seq_len: int) -> None:
+        """Run the largest eager step once over the real pool before serving: its kernels load here
+        and the allocator keeps its memory, so the first burst's steps cost what later ones do
+        (python -m tools.bench.bursts)."""
+        try:
+            self._largest_step(config, max_seq_len)
+        except torch.OutOfMemoryError as exc:
+            raise RuntimeError(f"a step of max_num_tokens ({config.max_num_tokens}) does not fit beside a KV pool "
+                               f"of {self.num_blocks * self.block_size} tokens: lower kv_cache_config.max_tokens "
+                               "or max_num_tokens") from exc
 
     def graph_bytes(self, config: EngineConfig, max_seq_len: int) -> int:
         """Device memory the graphs take (decode and piecewise: their pools and the activations of their

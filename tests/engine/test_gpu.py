@@ -41,6 +41,18 @@ def test_tensor_parallel_on_two_gpus_equals_one(tiny_llama_dir):
         assert a.outputs[0].logprobs == pytest.approx(b.outputs[0].logprobs, abs=1e-3)
 
 
+def test_a_pool_of_all_free_memory_leaves_room_for_the_largest_step(tiny_llama_dir):
+    """free_gpu_memory_fraction 1.0: the pool takes what the weights and the largest eager step
+    leave (the step is measured at start-up, then run once over the pool), so a step of
+    max_num_tokens still runs. A pool sized without the step left it nothing."""
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama_dir), device="cuda", dtype="bfloat16", max_num_tokens=4096,
+                                    cuda_graphs=False,  # no graph capture's leftovers in the allocator to lean on
+                                    kv_cache_config={"free_gpu_memory_fraction": 1.0, "tokens_per_block": 16}))
+    prompts = random_prompts(8, 500, 500, 256, seed=9)  # 4,000 tokens: one prefill step
+    outputs = engine.generate(prompts, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    assert [len(out.outputs[0].token_ids) for out in outputs] == [4] * 8
+
+
 def test_overlapped_steps_equal_serial_steps(tiny_llama_dir):
     """On CUDA steps overlap by default (step k + 1 queued before step k is read back): in float32,
     a mixed load (greedy and seeded sampling, stops, n=2, one request that turns overlap off) gives

@@ -28,7 +28,8 @@ class KvCacheConfig:
     enable_block_reuse: bool = True
     tokens_per_block: int = 32
     # Cache size: max_tokens wins when set; otherwise a fraction of the device memory left after
-    # weights (on CPU: of available system memory), as TensorRT-LLM's free_gpu_memory_fraction.
+    # the weights, the CUDA graphs and the largest step's activations (on CPU: of available system
+    # memory), as TensorRT-LLM's free_gpu_memory_fraction.
     max_tokens: int | None = None
     free_gpu_memory_fraction: float = 0.9
     # TensorRT-LLM's name. "auto": the model's dtype; "fp8": E4M3, one byte per element, so the same

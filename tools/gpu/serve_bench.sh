@@ -154,7 +154,7 @@ dag() {
     local url=(--url "http://127.0.0.1:$PORT" --client-processes ${CLIENTS:-4 8 1})
     # Each route's highest level first: its numbers, the profile (first route only) and the client
     # check matter most. ROUTES sets the order (a route run later finds the server warmer).
-    local route profiled=0 bench_pid
+    local route profiled=$(( ${PROFILE_SECONDS:-15} <= 0 )) bench_pid  # PROFILE_SECONDS=0: no profile
     for route in ${ROUTES:-triton openai}; do
       timeout "${HIGH_TIMEOUT:-250}" "${bench[@]}" "${url[@]}" --route "$route" --concurrency $HIGH \
           --num-requests $HIGH_REQUESTS --json "$out/dag-$route-high.json" > "$out/dag-$route-high.log" 2>&1 &

@@ -42,14 +42,18 @@ class AutoscalingSection(_Strict):
     metrics_interval_s: float = Field(10.0, gt=0, description="how often replicas report their load")
 
 
-# Serve's replica settings for a streaming pipeline, the ones RAY_SERVE_THROUGHPUT_OPTIMIZED turns on
-# except moving the replicas' logs off stderr: each replica runs our handlers and its handles' router
-# on its own event loop (no hop to a user-code thread or a router loop per call), and calls between
-# stages go over gRPC instead of Ray actor calls. On an H200 (8B shape, 256 streams arriving at
-# once) the DAG went from 0.88 to 0.92 of the engine, and a request's way to it from 326 to 268 ms
-# p50 (docs/PERFORMANCE.md). A stage's env_vars override them.
+# Serve's replica settings for a streaming pipeline, three that RAY_SERVE_THROUGHPUT_OPTIMIZED turns
+# on (it also moves replica logs off stderr, which these leave alone). Each replica runs our
+# handlers, and its handles' router, on its own event loop: no hop to a user-code thread or a
+# router loop per call. Calls between stages go over gRPC instead of Ray actor calls
+# (deployments/handles.py applies the switch to the handles a stage is given), with no gRPC limit
+# on message size: the Ingress's max_request_bytes bounds what a request carries. On an H200 (8B
+# shape, 256 streams arriving at once) the loops took the DAG from 0.88 to 0.92 of the engine and
+# gRPC from 0.93 to 0.96, each measured in one call (docs/PERFORMANCE.md). A stage's env_vars
+# override them.
 REPLICA_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0", "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0",
-               "RAY_SERVE_USE_GRPC_BY_DEFAULT": "1", "RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE": "1000"}
+               "RAY_SERVE_USE_GRPC_BY_DEFAULT": "1", "RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH": "-1",
+               "RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE": "1000"}
 
 
 class StageSection(_Strict):

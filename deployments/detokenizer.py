@@ -13,6 +13,7 @@ from app.engine.llm_engine import merge_outputs
 from app.engine.outputs import RequestOutput
 from app.protocol.messages import PromptText, TextChunk, TextOutput, TokenizedJob, TokenText, merge_chunks
 from app.text import IncrementalDetokenizer, Tokenizer
+from deployments.handles import for_this_replica
 from deployments.workers import model_dir_on_this_node
 
 
@@ -20,7 +21,7 @@ from deployments.workers import model_dir_on_this_node
 class DetokenizerDeployment:
     def __init__(self, config: ServiceConfig, engine: DeploymentHandle):
         self.tokenizer = Tokenizer(model_dir_on_this_node(config.model, "the detokenizer"))
-        self.engine = engine
+        self.engine = for_this_replica(engine)
         self.inbound = Inbound(ray.util.get_node_ip_address(), merge_outputs)  # from the engines
         self.outbound = Outbound(merge_chunks, config.serve.detokenizer.stream_interval_ms)  # to the Ingresses
 

@@ -29,6 +29,7 @@ from app.protocol import openai, openapi, triton, triton_binary
 from app.protocol.body import parse_body
 from app.protocol.messages import AdapterRef, GenerationJob, TextChunk, TextOutput, check_job, merge_chunks
 from app.security import api_key, refusal
+from deployments.handles import for_this_replica
 from deployments.metrics import IngressMetrics
 
 logger = logging.getLogger("ray.serve")
@@ -132,9 +133,9 @@ class Ingress:
                  engine: DeploymentHandle, request_ids: DeploymentHandle):
         self.config = config
         self.name = config.name
-        self.tokenizer = tokenizer
-        self.detokenizer = detokenizer
-        self.engine = engine
+        self.tokenizer = for_this_replica(tokenizer)
+        self.detokenizer = for_this_replica(detokenizer)
+        self.engine = for_this_replica(engine)
         self.adapters = AdapterPolicy(config.lora_roots, config.lora_adapters)
         self.metrics = IngressMetrics(config.name)
         self.inbound = Inbound(ray.util.get_node_ip_address(), merge_chunks)  # from the Detokenizers

@@ -23,6 +23,7 @@ import argparse
 import json
 import os
 import platform
+import random
 import sys
 import time
 from dataclasses import replace
@@ -57,7 +58,7 @@ def engine_command(args) -> dict:
     wl = synthetic(args.num_requests, args.input_len, args.output_len, engine.limits.vocab_size, args.seed,
                    args.ignore_eos, args.concurrency, args.request_rate, args.arrival)
     wl = replace(wl, temperature=args.temperature, top_p=args.top_p)
-    engine.generate([wl.prompts[0][:16]], SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
+    engine.generate([[100] * 16], SamplingParams(max_tokens=4, temperature=0.0))  # warm-up, on no prompt's tokens
     results = [run_engine(engine, wl)]
     if args.adapters:
         import tempfile
@@ -155,6 +156,9 @@ def serve_command(args) -> dict:
 
     config = load_config(args.config)
     vocab = read_model_config(resolve_model_dir(config.model)).vocab_size
+    if args.seed is None:
+        args.seed = random.randrange(1 << 31)
+        print(f"prompts' seed: {args.seed}", flush=True)
     counts = args.num_requests or [None]
     if len(counts) not in (1, len(args.concurrency)):
         raise SystemExit("--num-requests takes one count, or one per --concurrency level")
@@ -276,7 +280,9 @@ def main(argv=None) -> None:
     s.add_argument("--input-len", default="64:128")
     s.add_argument("--output-len", type=int, default=64)
     s.add_argument("--ignore-eos", action="store_true")
-    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--seed", type=int, default=None,
+                   help="the prompts' seed (default: a new one each time, recorded in the JSON: a server outlives "
+                        "the command, and a second command on the same prompts would find their KV cached)")
     s.add_argument("--compare-engine", action="store_true")
     s.add_argument("--engine-only", action="store_true", help="the engine levels alone, no server")
     s.add_argument("--client-processes", type=int, nargs="+", default=[1],

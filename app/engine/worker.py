@@ -130,8 +130,10 @@ class ModelShard:
 
     @torch.inference_mode()
     def _largest_step(self, config: EngineConfig, max_seq_len: int) -> None:
-        """The eager step of the most tokens the scheduler forms: max_num_tokens of new prompts, none
-        longer than max_seq_len, all writing the scratch block (their keys are never read again)."""
+        """The step of the most tokens the scheduler forms: max_num_tokens of new prompts, none longer
+        than max_seq_len, all writing the scratch block (their keys are never read again), with
+        logits for as many rows as a batch samples. Not measured by it: the sampler's own memory, a
+        chunk gathering a long cached prefix, adapter rows; the fraction's remainder covers those."""
         n, bs = config.max_num_tokens, self.block_size
         sizes = [min(max_seq_len, n - start) for start in range(0, n, max_seq_len)]
         starts = [sum(sizes[:i]) for i in range(len(sizes))]
@@ -139,17 +141,18 @@ class ModelShard:
         batch = StepInputs(torch.zeros(n, dtype=torch.long), torch.cat([torch.arange(size) for size in sizes]),
                            scratch * bs + torch.arange(n) % bs, 0, None, None,
                            [(start, size, size, []) for start, size in zip(starts, sizes)],
-                           torch.tensor([start + size - 1 for start, size in zip(starts, sizes)]))
+                           torch.arange(max(0, n - config.max_batch_size), n))
         hidden = None if self.layout.is_first_stage else torch.zeros(
             n, self.model.config.hidden_size, dtype=self.dtype, device=self.device)
         self._forward(batch, hidden)
         torch.cuda.synchronize(self.device)
 
     def step_bytes(self, config: EngineConfig, max_seq_len: int) -> int:
-        """Device memory the largest eager step takes beyond the weights: its activations as the
-        allocator holds them, measured over a one-block cache (0 off CUDA). The KV pool is sized
-        from what is free once this is set aside, as TensorRT-LLM's pool is sized after its
-        activation buffers: a pool that took it would run out of memory at the first long prefill."""
+        """Device memory the largest step takes beyond the weights: its activations as the allocator
+        holds them, measured over a one-block cache (0 off CUDA; one-time allocations of a first
+        forward, such as cuBLAS's workspace, count too). The KV pool is sized from what is free once
+        this is set aside, as TensorRT-LLM's pool is sized after its activation buffers: a pool that
+        took it would run out of memory at the first long prefill."""
         if self.device.type != "cuda":
             return 0
         self._allocate_cache(1)
@@ -162,9 +165,9 @@ class ModelShard:
         return max(0, taken)
 
     def _warm_up(self, config: EngineConfig, max_seq_len: int) -> None:
-        """Run the largest eager step once over the real pool before serving: its kernels load here
-        and the allocator keeps its memory, so the first burst's steps cost what later ones do
-        (python -m tools.bench.bursts)."""
+        """Run the largest step once over the real pool before serving (from the piecewise graphs
+        where they take it): its kernels load here and the allocator keeps its memory, rather than
+        in the first burst's first long prefill (python -m tools.bench.bursts)."""
         try:
             self._largest_step(config, max_seq_len)
         except torch.OutOfMemoryError as exc:

@@ -42,9 +42,10 @@ def test_tensor_parallel_on_two_gpus_equals_one(tiny_llama_dir):
 
 
 def test_a_pool_of_all_free_memory_leaves_room_for_the_largest_step(tiny_llama_dir):
-    """free_gpu_memory_fraction 1.0: the pool takes what the weights and the largest eager step
-    leave (the step is measured at start-up, then run once over the pool), so a step of
-    max_num_tokens still runs. A pool sized without the step left it nothing."""
+    """free_gpu_memory_fraction 1.0: the pool takes what the weights and the largest step leave (the
+    step is measured at start-up, then run once over the pool), so a step of max_num_tokens still
+    runs. A pool sized without the step left it nothing. (1.0 is an edge: the sampler's memory is
+    not measured, and this model's is small.)"""
     engine = LLMEngine(EngineConfig(model=str(tiny_llama_dir), device="cuda", dtype="bfloat16", max_num_tokens=4096,
                                     cuda_graphs=False,  # no graph capture's leftovers in the allocator to lean on
                                     kv_cache_config={"free_gpu_memory_fraction": 1.0, "tokens_per_block": 16}))

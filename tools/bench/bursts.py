@@ -78,7 +78,7 @@ def main(argv=None) -> None:
         result = run_engine(engine, fresh_prompts(workload, engine.limits.vocab_size, run_seed(0, "burst", burst)),
                             f"burst {burst}")
         rows.append({"burst": burst, "tok_s": round(result.output_tok_s), "ttft_ms": result.ttft_ms,
-                     "tpot_ms": result.tpot_ms, "kv_hit_rate": result.extra["kv_hit_rate"],
+                     "tpot_ms": result.tpot_ms,
                      "slow_steps_ms_prompt_tokens_decodes": list(slow),
                      "segments_added": allocator_segments() - segments,
                      "kernels_compiled": sorted(compiled_kernels() - kernels)})

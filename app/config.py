@@ -42,8 +42,8 @@ class AutoscalingSection(_Strict):
     metrics_interval_s: float = Field(10.0, gt=0, description="how often replicas report their load")
 
 
-# Serve's replica settings for a streaming pipeline, three that RAY_SERVE_THROUGHPUT_OPTIMIZED turns
-# on (it also moves replica logs off stderr, which these leave alone). Each replica runs our
+# Serve's replica settings for a streaming pipeline, taken from what RAY_SERVE_THROUGHPUT_OPTIMIZED
+# turns on (it also moves replica logs off stderr, which these leave alone). Each replica runs our
 # handlers, and its handles' router, on its own event loop: no hop to a user-code thread or a
 # router loop per call. Calls between stages go over gRPC instead of Ray actor calls
 # (deployments/handles.py applies the switch to the handles a stage is given), with no gRPC limit

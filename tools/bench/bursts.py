@@ -18,15 +18,15 @@ import torch
 
 from app.engine import EngineConfig, LLMEngine, SamplingParams
 from tools.bench.engine_runner import run_engine
-from tools.bench.workload import fresh_prompts, run_seed, synthetic
+from tools.bench.workload import run_seed, synthetic
 
 
 def compiled_kernels() -> set[str]:
     """The kernels in Triton's on-disk cache (one directory per compiled variant)."""
-    cache = Path(os.environ.get("TRITON_CACHE_DIR", ""))
-    if not os.environ.get("TRITON_CACHE_DIR") or not cache.is_dir():
+    cache = os.environ.get("TRITON_CACHE_DIR")
+    if not cache or not Path(cache).is_dir():
         return set()
-    return {f"{entry.name[:8]}:{meta.stem}" for entry in cache.iterdir() for meta in entry.glob("*.json")
+    return {f"{entry.name[:8]}:{meta.stem}" for entry in Path(cache).iterdir() for meta in entry.glob("*.json")
             if not meta.name.startswith("__")}
 
 
@@ -58,8 +58,6 @@ def main(argv=None) -> None:
     engine = LLMEngine(config)
     print(f"engine up in {time.perf_counter() - started:.1f} s, pool {engine.limits.max_cache_tokens} tokens")
     engine.generate([[100] * 16], SamplingParams(max_tokens=4, temperature=0.0))  # as the benchmarks warm up
-    workload = synthetic(args.num_requests, args.input_len, args.output_len, engine.limits.vocab_size, 0,
-                         True, args.concurrency)
     slow: list[tuple[int, int, int]] = []
     step = engine._step
 
@@ -75,8 +73,9 @@ def main(argv=None) -> None:
     for burst in range(args.bursts):
         slow.clear()
         kernels, segments = compiled_kernels(), allocator_segments()
-        result = run_engine(engine, fresh_prompts(workload, engine.limits.vocab_size, run_seed(0, "burst", burst)),
-                            f"burst {burst}")
+        workload = synthetic(args.num_requests, args.input_len, args.output_len, engine.limits.vocab_size,
+                             run_seed(0, "burst", burst), True, args.concurrency)
+        result = run_engine(engine, workload, f"burst {burst}")
         rows.append({"burst": burst, "tok_s": round(result.output_tok_s), "ttft_ms": result.ttft_ms,
                      "tpot_ms": result.tpot_ms,
                      "slow_steps_ms_prompt_tokens_decodes": list(slow),

@@ -175,18 +175,35 @@ class GrammarMatcher:
         return self.xgrammar_matcher.is_terminated()
 
 
-def token_bitmask(matchers: list[GrammarMatcher], pin: bool) -> torch.Tensor:
-    """One int32 row of 32-token words per matcher, filled on the host (pinned, for a copy that
-    does not wait): bit t of a row is set where its grammar allows token t next."""
+def new_bitmask(rows: int, vocab_size: int, pin: bool) -> torch.Tensor:
+    """int32 words of 32 tokens, one row per row of a step's logits, on the host (pinned where the
+    copy to the device must not wait). Bit t of a filled row is set where its grammar allows t next."""
     import xgrammar
 
-    rows, words = xgrammar.get_bitmask_shape(len(matchers), matchers[0].vocab_size)
-    bitmask = torch.empty((rows, words), dtype=torch.int32, pin_memory=pin)
-    matchers[0].batch.batch_fill_next_token_bitmask([m.xgrammar_matcher for m in matchers], bitmask)
-    return bitmask
+    return torch.empty(xgrammar.get_bitmask_shape(rows, vocab_size), dtype=torch.int32, pin_memory=pin)
 
 
-def allowed_tokens(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
-    """The bitmask unpacked where it lies: bool [rows, vocab]."""
-    bits = torch.arange(32, dtype=torch.int32, device=bitmask.device)
-    return ((bitmask[:, :, None] >> bits) & 1).bool().flatten(1)[:, :vocab]
+def fill_bitmask(matchers: list[GrammarMatcher], bitmask: torch.Tensor, rows: list[int]) -> None:
+    """Row rows[i] of `bitmask` for matchers[i], all at once on xgrammar's threads (without the GIL)."""
+    matchers[0].batch.batch_fill_next_token_bitmask([m.xgrammar_matcher for m in matchers], bitmask, rows)
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+    """-inf where the bitmask's row clears a token, in `rows` of the logits, where the logits are
+    (one kernel on the GPU)."""
+    import xgrammar
+
+    xgrammar.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[-1], indices=rows)
+
+
+def warm_up_bitmask_kernel(device: torch.device, vocab_size: int) -> None:
+    """Compile the GPU kernel that applies masks for each row count Triton tells apart (1, a multiple
+    of 16, any other) before serving, so no guided step waits for a compile. Nothing without xgrammar."""
+    try:
+        import xgrammar  # noqa: F401
+    except ImportError:
+        return
+    logits = torch.zeros((16, vocab_size), dtype=torch.float32, device=device)
+    bitmask = new_bitmask(16, vocab_size, pin=False).fill_(-1).to(device)
+    for count in (1, 2, 16):
+        apply_bitmask(logits, bitmask, list(range(count)))

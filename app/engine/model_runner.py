@@ -11,6 +11,7 @@ import torch
 from app.engine.config import EngineConfig
 from app.engine.draft_model import DraftModelProposer
 from app.engine.executor import ProcessLauncher, WorkerLauncher, cpu_threads_per_rank
+from app.engine.guided import warm_up_bitmask_kernel
 from app.engine.lora_loader import LoRAAdapter
 from app.engine.model_loader import read_model_config
 from app.engine.parallel import Distributed, ParallelLayout
@@ -88,6 +89,8 @@ class ModelRunner:
                 self.dist.close()
             raise
         self.sampler = Sampler(config.seed, self.shard.device)
+        if self.shard.device.type == "cuda":  # no guided step waits for the mask kernel's compile
+            warm_up_bitmask_kernel(self.shard.device, self.shard.model.config.vocab_size)
 
     # Rank 0's shard holds the device, the KV pool and the adapters; the engine reads them here.
     @property
@@ -208,6 +211,7 @@ class ModelRunner:
             self.dist.broadcast((RankCommand.ADD_LORA, name, path, in_use))
 
     def shutdown(self) -> None:
+        self.sampler.shutdown()
         if self.dist is not None:
             self.dist.broadcast((RankCommand.STOP,))
             self.launcher.stop()

@@ -8,13 +8,15 @@ from the raw logits, before any of it (SamplingParams says why).
 from __future__ import annotations
 
 from collections import Counter
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from app.engine.guided import allowed_tokens, token_bitmask
+from app.engine.guided import GrammarMatcher, apply_bitmask, fill_bitmask, new_bitmask
 from app.engine.sequence import Sequence
+from app.engine.stream_gate import StreamGate
 from app.engine.transfer import list_to_device
 
 
@@ -38,11 +40,13 @@ class DeviceSample:
     """A step's sampled tokens and their logprobs, still where they were computed. On CUDA they are
     copied into pinned host memory behind the step, so reading them back waits for this step alone,
     not for a later one queued after it. `top` is (rows, how many each asks for, their top-k
-    logprobs and token ids), for the rows that ask for top_logprobs; it travels the same way."""
+    logprobs and token ids), for the rows that ask for top_logprobs; it travels the same way.
+    `masks`: the fill of the step's guided masks where it runs behind a gate (Sampler._mask)."""
 
     def __init__(self, token_ids: torch.Tensor, logprobs: torch.Tensor,
                  top: tuple[list[int], list[int], torch.Tensor, torch.Tensor] | None = None,
-                 generator_states: dict[int, torch.Tensor] | None = None):
+                 generator_states: dict[int, torch.Tensor] | None = None, masks: Future | None = None):
+        self._masks = masks
         self.token_ids = token_ids  # [rows] on the device: the next step's inputs can be read from here
         self.generator_states = generator_states or {}  # host tensors already (SamplerOutput's)
         self._ready = None
@@ -58,6 +62,8 @@ class DeviceSample:
 
     def result(self) -> SamplerOutput:
         """Waits for the step (the engine's one host sync per step)."""
+        if self._masks is not None:  # first: the stream waits for it, and a fill that failed raises here
+            self._masks.result()
         if self._ready is not None:
             self._ready.synchronize()
         tokens, logprobs, *top = (t.tolist() for t in self._host)
@@ -70,13 +76,22 @@ class DeviceSample:
 class Sampler:
     def __init__(self, seed: int, device: torch.device):
         self.generator = torch.Generator(device).manual_seed(seed)
+        # On CUDA a guided step's sampling is queued at once, behind a gate that its masks' fill
+        # opens from a thread of its own: the host goes on to the next step while xgrammar fills.
+        self._gate = StreamGate.for_device(device)
+        self._fills = ThreadPoolExecutor(1, thread_name_prefix="guided-masks") if self._gate else None
+
+    def shutdown(self) -> None:
+        """Fills queued already run to the end (each opens its gate)."""
+        if self._fills is not None:
+            self._fills.shutdown(wait=True)
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
         """Sample and read the tokens back; beam-search rows get their candidates instead."""
-        constrained = self._apply_constraints(logits, seqs)
+        constrained, masks = self._apply_constraints(logits, seqs)
         beams = [i for i, seq in enumerate(seqs) if seq.beam_group is not None]
-        out = self._draw(logits, constrained, seqs).result()
+        out = self._draw(logits, constrained, masks, seqs).result()
         for i in beams:
             width = seqs[i].beam_group.width
             values, ids = torch.log_softmax(constrained[i], dim=-1).topk(2 * width)
@@ -87,9 +102,10 @@ class Sampler:
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> DeviceSample:
         """Sample without waiting for the device (no beam-search rows), for overlapped steps."""
-        return self._draw(logits, self._apply_constraints(logits, seqs), seqs)
+        return self._draw(logits, *self._apply_constraints(logits, seqs), seqs)
 
-    def _draw(self, raw: torch.Tensor, logits: torch.Tensor, seqs: list[Sequence]) -> DeviceSample:
+    def _draw(self, raw: torch.Tensor, logits: torch.Tensor, masks: Future | None,
+              seqs: list[Sequence]) -> DeviceSample:
         """Each row's token (beam rows: a dummy 0) and its logprob under the raw logits, and the
         top_logprobs of the rows that ask (top-k over those rows alone: no cost for the others).
         Host lists reach the device by non-blocking copies only, so nothing here waits for the step."""
@@ -112,13 +128,14 @@ class Sampler:
         chosen = raw_logprobs.gather(1, tokens[:, None]).squeeze(1)
         asking = [i for i, seq in enumerate(seqs) if seq.params.top_logprobs]
         if not asking:
-            return DeviceSample(tokens, chosen, generator_states=states)
+            return DeviceSample(tokens, chosen, generator_states=states, masks=masks)
         counts = [seqs[i].params.top_logprobs for i in asking]
         values, ids = raw_logprobs[list_to_device(asking, device)].topk(max(counts), dim=-1)
-        return DeviceSample(tokens, chosen, (asking, counts, values, ids), states)
+        return DeviceSample(tokens, chosen, (asking, counts, values, ids), states, masks)
 
-    def _apply_constraints(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        """The logits the draw sees: a copy where anything changes them, so that `logits` stays raw."""
+    def _apply_constraints(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[torch.Tensor, Future | None]:
+        """The logits the draw sees: a copy where anything changes them, so that `logits` stays raw;
+        and the fill of the guided rows' masks where it runs on a thread (`_mask`)."""
         copied = False
         biased = [(i, seq.params.logit_bias) for i, seq in enumerate(seqs) if seq.params.logit_bias]
         if biased:  # one gather and scatter for every biased row of the batch; a row's ids are distinct
@@ -128,13 +145,11 @@ class Sampler:
             logits[rows, cols] += list_to_device([value for _, bias in biased for value in bias.values()], logits.device)
         # A sequence that ended since this step was planned (overlapped) keeps a row nobody reads.
         guided = [i for i, seq in enumerate(seqs) if seq.grammar is not None and not seq.is_finished]
-        if guided:  # every guided row's mask filled on the host, one copy, applied where the logits are
+        masks = None
+        if guided:
             if not copied:
                 logits, copied = logits.clone(), True
-            bitmask = token_bitmask([seqs[i].grammar for i in guided], pin=logits.is_cuda)
-            rows = list_to_device(guided, logits.device)
-            allowed = allowed_tokens(bitmask.to(logits.device, non_blocking=True), logits.shape[-1])  # pinned
-            logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
+            masks = self._mask(logits, [seqs[i].grammar for i in guided], guided)
         for i, seq in enumerate(seqs):
             p = seq.params
             banned = []
@@ -152,7 +167,33 @@ class Sampler:
                 _apply_penalties(logits[i], seq)
             if banned:
                 logits[i, banned] = float("-inf")
-        return logits
+        return logits, masks
+
+    def _mask(self, logits: torch.Tensor, matchers: list[GrammarMatcher], rows: list[int]) -> Future | None:
+        """-inf in `rows` of the logits where their grammars rule a token out: one bitmask filled on
+        the host, one copy, one kernel. With a gate, what reads the masks is queued behind it now, and
+        the fill runs on the fills' one thread (so tickets open in the order they close), which opens
+        it; the Future is that fill."""
+        bitmask = new_bitmask(logits.shape[0], logits.shape[-1], pin=logits.is_cuda)
+        if self._gate is None:
+            fill_bitmask(matchers, bitmask, rows)
+            apply_bitmask(logits, bitmask.to(logits.device, non_blocking=True), rows)
+            return None
+        ticket = self._gate.close()
+        # Pinned: the copy reads the host's words when the stream reaches it, past the gate.
+        apply_bitmask(logits, bitmask.to(logits.device, non_blocking=True), rows)
+        try:
+            return self._fills.submit(self._fill_then_open, matchers, bitmask, rows, ticket)
+        except BaseException:
+            self._gate.open(ticket)
+            raise
+
+    def _fill_then_open(self, matchers: list[GrammarMatcher], bitmask: torch.Tensor, rows: list[int],
+                        ticket: int) -> None:
+        try:
+            fill_bitmask(matchers, bitmask, rows)
+        finally:
+            self._gate.open(ticket)
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """A draw from each row's distribution, and for the rows of a seeded sequence that has

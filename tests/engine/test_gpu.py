@@ -75,6 +75,62 @@ def test_overlapped_steps_equal_serial_steps(tiny_llama_dir):
     assert runs[False] == runs[True]
 
 
+@pytest.fixture(scope="module")
+def tiny_tokenized_llama_dir(tmp_path_factory):
+    """A 2-layer random Llama over a synthetic byte-level tokenizer of 4,096 ids
+    (tools/gpu/make_tokenizer.py): a model that guided decoding can serve without SmolLM2's files."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tools.gpu.make_tokenizer import write
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=4096, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         initializer_range=0.2, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    path = tmp_path_factory.mktemp("tiny-tokenized-llama")
+    LlamaForCausalLM(config).save_pretrained(path)
+    return write(path)
+
+
+def test_guided_masks_filled_behind_a_stream_gate_equal_masks_filled_first(tiny_tokenized_llama_dir, monkeypatch):
+    """On CUDA a guided step's sampling is queued before its masks are filled: a thread fills them
+    and opens a gate on the stream. Overlapped, in float32, guided requests (greedy and seeded
+    sampling) among free ones arriving over time take the tokens they take with the masks filled
+    before anything is queued, and every guided answer is an object of the schema."""
+    import json
+
+    from app.engine.guided import Guide
+    from app.engine.stream_gate import StreamGate
+    from app.text import Tokenizer
+    from tests.conftest import run_staggered
+
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                               "ok": {"type": "boolean"}, "size": {"enum": ["s", "m", "l"]}},
+              "required": ["name", "ok", "size"], "additionalProperties": False}
+    guide = Guide("json_schema", json.dumps(schema), "guided_json")
+    prompts = random_prompts(12, 3, 40, 4096, seed=31)
+    params = [SamplingParams(max_tokens=48, temperature=0.0 if i % 3 == 0 else 0.8, seed=i, ignore_eos=True,
+                             guide=None if i % 3 == 2 else guide) for i in range(len(prompts))]
+    runs = {}
+    for gated in (False, True):
+        with monkeypatch.context() as patch:
+            if not gated:
+                patch.setattr(StreamGate, "for_device", classmethod(lambda cls, device: None))
+            engine = _engine(tiny_tokenized_llama_dir, "float32", max_batch_size=8)
+            assert (engine.runner.sampler._gate is not None) is gated and engine.overlap
+            engine.grammars.compile(guide).result()  # compiled before any request: each joins when it arrives
+            outputs = run_staggered(engine, prompts, params, [i // 2 for i in range(len(prompts))])
+            engine.shutdown()
+        runs[gated] = [out.outputs[0].token_ids for out in outputs]
+    assert runs[True] == runs[False]
+    tokenizer = Tokenizer(tiny_tokenized_llama_dir)
+    for ids, p in zip(runs[True], params):
+        if p.guide is not None:
+            answer = json.loads(tokenizer.decode(ids), strict=False)  # xgrammar lets raw control bytes into strings
+            assert set(answer) == {"name", "ok", "size"} and len(answer["name"]) <= 12, answer
+            assert isinstance(answer["ok"], bool) and answer["size"] in ("s", "m", "l"), answer
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_prefill_steps_from_piecewise_graphs_equal_op_by_op(tiny_llama_dir, monkeypatch, dtype):
     """Steps that carry prefill chunks replay the trunk from graphs cut at each attention call: on a

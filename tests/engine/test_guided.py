@@ -6,9 +6,10 @@ import json
 
 import jsonschema
 import pytest
+import torch
 
 from app.engine import InvalidRequestError, SamplingParams
-from app.engine.guided import Guide, allowed_tokens, token_bitmask
+from app.engine.guided import Guide, apply_bitmask, fill_bitmask, new_bitmask
 from app.text import Tokenizer
 from tests.conftest import make_engine
 
@@ -81,7 +82,10 @@ def test_a_structural_tag_masks_only_between_its_begin_and_end(engine, chat):
         assert all(matcher.accept(t) for t in tokenizer.encode(text, add_special_tokens=False)), text
 
     def allowed_now():
-        return allowed_tokens(token_bitmask([matcher], pin=False), vocab)[0]
+        bitmask, logits = new_bitmask(1, vocab, pin=False), torch.zeros(1, vocab)
+        fill_bitmask([matcher], bitmask, [0])
+        apply_bitmask(logits, bitmask, [0])
+        return logits[0] == 0
     assert allowed_now().sum() > 0.99 * vocab  # free text
     walk("Let me check. <function=get_weather>")
     allowed = [tokenizer.decode([t]) for t in allowed_now().nonzero().flatten().tolist()]

@@ -249,12 +249,18 @@ class LLMEngine:
             # A guided row's mask needs the token step k is computing: its sampling waits for the read back.
             guided = any(item.seq.grammar is not None for item in plan.scheduled)
             launched = self.runner.launch(plan, self._in_flight, sample=not guided)
-        outputs = self._finish(self._take_in_flight()) if self._in_flight is not None else []
-        if launched is not None:  # after the read back: a sequence that ended on it takes no placeholder
-            if launched.sample is None:
-                self._read_back = outputs  # step k's outputs, built already: a failure here must not lose them
+        previous = self._take_in_flight() if self._in_flight is not None else None
+        seqs = self.scheduler.update(previous.plan, previous.seqs, previous.sample.result()) if previous else []
+        if launched is not None and launched.sample is None:
+            # Guided rows: their grammars took step k's tokens, so the masks' fill can start; step k's
+            # outputs are built after, while it runs. A failure here must not lose them.
+            try:
                 self.runner.sample(launched)
-                self._read_back = []
+            except Exception:
+                self._read_back = self._outputs(seqs)
+                raise
+        outputs = self._outputs(seqs)
+        if launched is not None:  # after the read back: a sequence that ended on it takes no placeholder
             self.scheduler.update(plan, launched.seqs, None)
             self._in_flight = launched
         return outputs

@@ -172,17 +172,16 @@ class Sampler:
     def _mask(self, logits: torch.Tensor, matchers: list[GrammarMatcher], rows: list[int]) -> Future | None:
         """-inf in `rows` of the logits where their grammars rule a token out: one bitmask filled on
         the host, one copy, one kernel. With a gate, what reads the masks is queued behind it now, and
-        the fill runs on the fills' one thread (so tickets open in the order they close), which opens
-        it; the Future is that fill."""
+        the fill runs on the fills' thread, which opens it; the Future is that fill."""
         bitmask = new_bitmask(logits.shape[0], logits.shape[-1], pin=logits.is_cuda)
         if self._gate is None:
             fill_bitmask(matchers, bitmask, rows)
             apply_bitmask(logits, bitmask.to(logits.device, non_blocking=True), rows)
             return None
         ticket = self._gate.close()
-        # Pinned: the copy reads the host's words when the stream reaches it, past the gate.
-        apply_bitmask(logits, bitmask.to(logits.device, non_blocking=True), rows)
         try:
+            # Pinned: the copy reads the host's words when the stream reaches it, past the gate.
+            apply_bitmask(logits, bitmask.to(logits.device, non_blocking=True), rows)
             return self._fills.submit(self._fill_then_open, matchers, bitmask, rows, ticket)
         except BaseException:
             self._gate.open(ticket)

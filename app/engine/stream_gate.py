@@ -11,11 +11,14 @@ Whoever closes the gate must open it whatever happens: a ticket never opened sta
 and every later step behind it. The opener must not need anything that a thread waiting on the
 stream holds: the sampler's fill thread needs the GIL only to start and to open, and whoever waits
 for the stream waits for the fill first (DeviceSample.result) or inside torch, which lets go of the
-GIL while it blocks.
+GIL while it blocks. Anything that waits for the device while the gate is closed waits for the
+opener too, and that includes a kernel's first launch (CUDA loads modules lazily, and loading one
+waits for the device). With the opener on another thread that costs the rest of one fill, once.
 """
 from __future__ import annotations
 
 import ctypes
+import threading
 
 import numpy as np
 import torch
@@ -34,6 +37,7 @@ class StreamGate:
             ctypes.byref(address), ctypes.c_void_p(self._host.data_ptr()), ctypes.c_uint(0)), "cuMemHostGetDevicePointer")
         self._address = address.value
         self._tickets = 0
+        self._opened, self._lock = 0, threading.Lock()
 
     @classmethod
     def for_device(cls, device: torch.device) -> StreamGate | None:
@@ -54,8 +58,13 @@ class StreamGate:
         return self._tickets
 
     def open(self, ticket: int) -> None:
-        """Let the stream past the wait of `ticket` (and of every ticket before it)."""
-        self._word[0] = ticket
+        """Let the stream past the wait of `ticket` and of every ticket before it. The word only
+        moves forward: a ticket opened late never closes a later one opened first (that wait
+        would never end)."""
+        with self._lock:
+            if (ticket - self._opened) & 0xFFFFFFFF < 0x80000000:
+                self._opened = ticket
+                self._word[0] = ticket
 
 
 def _symbol(library, *names):

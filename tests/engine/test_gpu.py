@@ -75,6 +75,34 @@ def test_overlapped_steps_equal_serial_steps(tiny_llama_dir):
     assert runs[False] == runs[True]
 
 
+def test_a_stream_gate_holds_queued_work_until_opened_and_never_closes_again():
+    """Work queued behind two gates waits for the host; opening the later ticket first and the
+    earlier one after must not pull the gate back (the stream would wait forever)."""
+    import time
+
+    from app.engine.stream_gate import StreamGate
+
+    gate, x = StreamGate(), torch.zeros(1, device="cuda")
+    x.add_(1)  # a kernel's first launch loads it, which waits for the device: not behind a closed gate
+    torch.cuda.synchronize()
+    first = gate.close()
+    x.add_(1)
+    second = gate.close()
+    x.add_(1)
+    done = torch.cuda.Event()
+    done.record()
+    time.sleep(0.2)
+    assert not done.query()
+    gate.open(second)
+    gate.open(first)
+    deadline = time.monotonic() + 10
+    while not done.query() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    passed = done.query()
+    gate.open(second + 1000)  # whatever happened, nothing stays held for the tests after this one
+    assert passed and x.item() == 3
+
+
 @pytest.fixture(scope="module")
 def tiny_tokenized_llama_dir(tmp_path_factory):
     """A 2-layer random Llama over a synthetic byte-level tokenizer of 4,096 ids

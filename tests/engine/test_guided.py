@@ -225,15 +225,16 @@ def test_guided_requests_ride_overlapped_steps(engine, chat):
 
 
 def test_a_failed_guided_sampling_keeps_the_outputs_read_back_before_it(engine, chat):
-    """Overlapped, a guided step's sampling is queued after the previous step is read back: when it
-    fails, the outputs of that read back still go out (a request finished there ends normally)
-    and only the requests of the failed step carry the error."""
+    """Overlapped, a guided step's sampling is queued as soon as the previous step is read back,
+    before that read back's outputs are built: when it fails, those outputs still go out (a request
+    finished there ends normally) and only the requests of the failed step carry the error."""
     _, prompt = chat
     engine.overlap = True
     failed, sample = [], engine.runner.sample
 
     def failing(launched):  # the first sampling after the read back that finished "plain"
-        if not failed and any(out.request_id == "plain" and out.finished for out in engine._read_back):
+        plain = engine.requests.get("plain")
+        if not failed and plain is not None and plain.finished:
             failed.append(1)
             raise RuntimeError("mask copy failed")
         return sample(launched)

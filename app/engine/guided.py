@@ -176,8 +176,9 @@ class GrammarMatcher:
 
 
 def new_bitmask(rows: int, vocab_size: int, pin: bool) -> torch.Tensor:
-    """int32 words of 32 tokens, one row per row of a step's logits, on the host (pinned where the
-    copy to the device must not wait). Bit t of a filled row is set where its grammar allows t next."""
+    """int32 words of 32 tokens, a row for each row of a step's logits up to its last guided one,
+    on the host (pinned where the copy to the device must not wait). Bit t of a filled row is set
+    where its grammar allows t next."""
     import xgrammar
 
     return torch.empty(xgrammar.get_bitmask_shape(rows, vocab_size), dtype=torch.int32, pin_memory=pin)

@@ -171,21 +171,23 @@ class Sampler:
 
     def _mask(self, logits: torch.Tensor, matchers: list[GrammarMatcher], rows: list[int]) -> Future | None:
         """-inf in `rows` of the logits where their grammars rule a token out: one bitmask filled on
-        the host, one copy, one kernel. With a gate, what reads the masks is queued behind it now, and
-        the fill runs on the fills' thread, which opens it; the Future is that fill."""
-        bitmask = new_bitmask(logits.shape[0], logits.shape[-1], pin=logits.is_cuda)
+        the host, one copy, one kernel. With a gate, the fill goes to the fills' thread, which opens
+        the gate once it is done, and what reads the masks is queued behind the gate; the Future is
+        the fill. `rows` ascend: the bitmask stops at the last."""
+        bitmask = new_bitmask(rows[-1] + 1, matchers[0].vocab_size, pin=logits.is_cuda)
         if self._gate is None:
             fill_bitmask(matchers, bitmask, rows)
             apply_bitmask(logits, bitmask.to(logits.device, non_blocking=True), rows)
             return None
         ticket = self._gate.close()
-        try:
-            # Pinned: the copy reads the host's words when the stream reaches it, past the gate.
-            apply_bitmask(logits, bitmask.to(logits.device, non_blocking=True), rows)
-            return self._fills.submit(self._fill_then_open, matchers, bitmask, rows, ticket)
-        except BaseException:
+        try:  # the opener first: anything below that waits for the device then waits for the fill alone
+            fill = self._fills.submit(self._fill_then_open, matchers, bitmask, rows, ticket)
+        except BaseException:  # the fills' thread has stopped (shut down): nothing else will open it
             self._gate.open(ticket)
             raise
+        # Pinned: the copy reads the host's words when the stream reaches it, past the gate.
+        apply_bitmask(logits, bitmask.to(logits.device, non_blocking=True), rows)
+        return fill
 
     def _fill_then_open(self, matchers: list[GrammarMatcher], bitmask: torch.Tensor, rows: list[int],
                         ticket: int) -> None:

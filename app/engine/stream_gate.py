@@ -13,7 +13,9 @@ stream holds: the sampler's fill thread needs the GIL only to start and to open,
 for the stream waits for the fill first (DeviceSample.result) or inside torch, which lets go of the
 GIL while it blocks. Anything that waits for the device while the gate is closed waits for the
 opener too, and that includes a kernel's first launch (CUDA loads modules lazily, and loading one
-waits for the device). With the opener on another thread that costs the rest of one fill, once.
+waits for the device, and so does a cudaFree when the allocator gives memory back): so the opener
+is on its way before anything else is queued behind the gate (Sampler._mask submits the fill
+first), and such a wait costs the rest of one fill.
 """
 from __future__ import annotations
 
@@ -27,7 +29,8 @@ CU_STREAM_WAIT_VALUE_GEQ = 0x0
 
 
 class StreamGate:
-    def __init__(self):
+    def __init__(self, device: torch.device):
+        self.device = device
         self._driver = ctypes.CDLL("libcuda.so.1")
         self._wait = _symbol(self._driver, "cuStreamWaitValue32_v2", "cuStreamWaitValue32")
         self._host = torch.zeros(1, dtype=torch.int32, pin_memory=True)  # kept: the word's memory
@@ -41,18 +44,22 @@ class StreamGate:
 
     @classmethod
     def for_device(cls, device: torch.device) -> StreamGate | None:
-        """A gate where the device is CUDA and its driver has stream memory operations, else None."""
+        """A gate where the device is CUDA and its driver has stream memory operations (tried once:
+        closed, opened, passed), else None."""
         if device.type != "cuda":
             return None
         try:
-            return cls()
+            gate = cls(device)
+            gate.open(gate.close())
+            torch.cuda.current_stream(device).synchronize()
+            return gate
         except (OSError, AttributeError, RuntimeError):
             return None
 
     def close(self) -> int:
-        """Queue a wait on the current stream; returns the ticket that opens it."""
+        """Queue a wait on the device's current stream; returns the ticket that opens it."""
         self._tickets = (self._tickets + 1) & 0xFFFFFFFF
-        stream = torch.cuda.current_stream().cuda_stream
+        stream = torch.cuda.current_stream(self.device).cuda_stream
         _check(self._wait(ctypes.c_void_p(stream), ctypes.c_uint64(self._address), ctypes.c_uint32(self._tickets),
                           ctypes.c_uint(CU_STREAM_WAIT_VALUE_GEQ)), "cuStreamWaitValue32")
         return self._tickets

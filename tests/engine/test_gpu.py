@@ -75,32 +75,44 @@ def test_overlapped_steps_equal_serial_steps(tiny_llama_dir):
     assert runs[False] == runs[True]
 
 
-def test_a_stream_gate_holds_queued_work_until_opened_and_never_closes_again():
-    """Work queued behind two gates waits for the host; opening the later ticket first and the
-    earlier one after must not pull the gate back (the stream would wait forever)."""
+def test_a_stream_gate_holds_queued_work_until_opened_and_never_moves_back():
+    """Work queued behind a gate waits for the host. Then, with the device busy (a sleep queued
+    first), two tickets are opened late one first: the earlier must not pull the gate back, or the
+    later one's wait would never end."""
     import time
 
     from app.engine.stream_gate import StreamGate
 
-    gate, x = StreamGate(), torch.zeros(1, device="cuda")
-    x.add_(1)  # a kernel's first launch loads it, which waits for the device: not behind a closed gate
+    def finishes(event, seconds=10.0) -> bool:
+        deadline = time.monotonic() + seconds
+        while not event.query() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return event.query()
+
+    gate, x = StreamGate(torch.device("cuda")), torch.zeros(1, device="cuda")
+    x.add_(1)  # kernels launched behind a closed gate are loaded first: a first load waits for the device
+    torch.cuda._sleep(1000)
     torch.cuda.synchronize()
-    first = gate.close()
-    x.add_(1)
-    second = gate.close()
+    held = gate.close()
     x.add_(1)
     done = torch.cuda.Event()
     done.record()
     time.sleep(0.2)
     assert not done.query()
+    gate.open(held)
+    assert finishes(done) and x.item() == 2
+
+    torch.cuda._sleep(200_000_000)  # ~0.1 s of device time: both waits below are queued, neither reached
+    first = gate.close()
+    x.add_(1)
+    second = gate.close()
+    x.add_(1)
+    done.record()
     gate.open(second)
     gate.open(first)
-    deadline = time.monotonic() + 10
-    while not done.query() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    passed = done.query()
+    passed = finishes(done)
     gate.open(second + 1000)  # whatever happened, nothing stays held for the tests after this one
-    assert passed and x.item() == 3
+    assert passed and x.item() == 4
 
 
 @pytest.fixture(scope="module")
@@ -126,8 +138,10 @@ def test_guided_masks_filled_behind_a_stream_gate_equal_masks_filled_first(tiny_
     sampling) among free ones arriving over time take the tokens they take with the masks filled
     before anything is queued, and every guided answer is an object of the schema."""
     import json
+    import time
 
-    from app.engine.guided import Guide
+    from app.engine import sampler
+    from app.engine.guided import Guide, fill_bitmask
     from app.engine.stream_gate import StreamGate
     from app.text import Tokenizer
     from tests.conftest import run_staggered
@@ -139,10 +153,16 @@ def test_guided_masks_filled_behind_a_stream_gate_equal_masks_filled_first(tiny_
     prompts = random_prompts(12, 3, 40, 4096, seed=31)
     params = [SamplingParams(max_tokens=48, temperature=0.0 if i % 3 == 0 else 0.8, seed=i, ignore_eos=True,
                              guide=None if i % 3 == 2 else guide) for i in range(len(prompts))]
+    def slow_fill(*args):  # a gate that did not hold would let the copy read a mask not yet filled
+        time.sleep(0.02)
+        fill_bitmask(*args)
+
     runs = {}
     for gated in (False, True):
         with monkeypatch.context() as patch:
-            if not gated:
+            if gated:
+                patch.setattr(sampler, "fill_bitmask", slow_fill)
+            else:
                 patch.setattr(StreamGate, "for_device", classmethod(lambda cls, device: None))
             engine = _engine(tiny_tokenized_llama_dir, "float32", max_batch_size=8)
             assert (engine.runner.sampler._gate is not None) is gated and engine.overlap
@@ -157,6 +177,45 @@ def test_guided_masks_filled_behind_a_stream_gate_equal_masks_filled_first(tiny_
             answer = json.loads(tokenizer.decode(ids), strict=False)  # xgrammar lets raw control bytes into strings
             assert set(answer) == {"name", "ok", "size"} and len(answer["name"]) <= 12, answer
             assert isinstance(answer["ok"], bool) and answer["size"] in ("s", "m", "l"), answer
+
+
+def test_a_mask_fill_that_fails_fails_its_step_alone_and_opens_the_gate(tiny_tokenized_llama_dir, monkeypatch):
+    """A fill that raises on its thread still opens its gate: the requests of the step it served end
+    with the error, and requests after them run to the end (no stream left waiting)."""
+    import json
+
+    from app.engine import sampler
+    from app.engine.guided import Guide, fill_bitmask
+
+    fills = []
+
+    def fill_failing_once(*args):
+        fills.append(1)
+        if len(fills) == 3:
+            raise RuntimeError("mask fill failed")
+        fill_bitmask(*args)
+
+    monkeypatch.setattr(sampler, "fill_bitmask", fill_failing_once)
+    engine = _engine(tiny_tokenized_llama_dir, "float32", max_batch_size=8)
+    guide = Guide("json_schema", json.dumps({"type": "object", "properties": {"ok": {"type": "boolean"}},
+                                             "required": ["ok"], "additionalProperties": False}), "guided_json")
+    engine.grammars.compile(guide).result()
+    prompts = random_prompts(5, 3, 20, 4096, seed=41)
+
+    def run(ids, params):
+        for i in ids:
+            engine.add_request(f"r{i}", prompts[i], params[i])
+        ended = {}
+        while engine.has_unfinished_requests():
+            ended.update((out.request_id, out) for out in engine.step() if out.finished)
+        return ended
+
+    params = [SamplingParams(max_tokens=24, temperature=0.0, guide=guide if i != 4 else None) for i in range(5)]
+    first = run([0, 1], params)
+    assert len(first) == 2 and all("failed" in (out.error or "") for out in first.values())
+    second = run([2, 3, 4], params)
+    engine.shutdown()
+    assert len(second) == 3 and all(out.error is None for out in second.values())
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -53,6 +53,7 @@ class GrammarCompiler:
         self.model_dir, self.vocab_size, self.eos_ids = model_dir, vocab_size, eos_ids
         self._compiler = None
         self._batch = None  # fills many matchers' masks at once, on threads of its own
+        self._json_safe = None  # a bitmask row: the tokens JSON text can hold (_json_safe_row)
         self._lock = threading.Lock()
         self.timeout_s = COMPILE_TIMEOUT_S
         self._queued = 0  # submitted, not yet done
@@ -70,6 +71,7 @@ class GrammarCompiler:
                                                                stop_token_ids=list(self.eos_ids) or None)
                 self._compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_limit_bytes=CACHE_BYTES)
                 self._batch = xgrammar.BatchGrammarMatcher(max_threads="auto")
+                self._json_safe = _json_safe_row(info, self.vocab_size, self.eos_ids)
             return self._compiler
 
     def check(self, guide: Guide):
@@ -114,11 +116,12 @@ class GrammarCompiler:
         with _compile_errors(guide):
             return self._get().compile_grammar(grammar)
 
-    def matcher(self, compiled) -> GrammarMatcher:
-        """A fresh matcher at the start of a compiled grammar."""
+    def matcher(self, compiled, guide: Guide) -> GrammarMatcher:
+        """A fresh matcher at the start of `guide`'s compiled grammar."""
         import xgrammar
 
-        return GrammarMatcher(xgrammar.GrammarMatcher(compiled), self.vocab_size, self._batch)
+        json_safe = self._json_safe if guide.kind in ("json", "json_schema") else None
+        return GrammarMatcher(xgrammar.GrammarMatcher(compiled), self.vocab_size, self._batch, json_safe)
 
 
 @contextmanager
@@ -162,10 +165,12 @@ def _structural_tag(guide: Guide):
 
 class GrammarMatcher:
     """One sequence's position in its grammar. `batch`: the compiler's xgrammar BatchGrammarMatcher,
-    which fills a step's masks for all its matchers at once."""
+    which fills a step's masks for all its matchers at once. `json_safe`, for JSON guides: the row
+    of tokens JSON text can hold, which every mask of this matcher keeps to."""
 
-    def __init__(self, matcher, vocab_size: int, batch):
+    def __init__(self, matcher, vocab_size: int, batch, json_safe: torch.Tensor | None = None):
         self.xgrammar_matcher, self.vocab_size, self.batch = matcher, vocab_size, batch
+        self.json_safe = json_safe
 
     def accept(self, token_id: int) -> bool:
         return self.xgrammar_matcher.accept_token(token_id)
@@ -187,6 +192,26 @@ def new_bitmask(rows: int, vocab_size: int, pin: bool) -> torch.Tensor:
 def fill_bitmask(matchers: list[GrammarMatcher], bitmask: torch.Tensor, rows: list[int]) -> None:
     """Row rows[i] of `bitmask` for matchers[i], all at once on xgrammar's threads (without the GIL)."""
     matchers[0].batch.batch_fill_next_token_bitmask([m.xgrammar_matcher for m in matchers], bitmask, rows)
+    json_rows = [row for m, row in zip(matchers, rows) if m.json_safe is not None]
+    if json_rows:
+        bitmask[json_rows] &= next(m.json_safe for m in matchers if m.json_safe is not None)
+
+
+def _json_safe_row(info, vocab_size: int, stop_ids: tuple[int, ...]) -> torch.Tensor:
+    """A bitmask row of the tokens with no byte below 0x20, and the stop ids. JSON as our guides
+    write it (compact, any_whitespace=False) needs none of the others: whitespace is a space, and
+    inside strings RFC 8259 wants control characters escaped. xgrammar 0.2.8's grammar for a
+    string with minLength/maxLength lets them in raw (mlc-ai/xgrammar#800), which strict parsers
+    (Python's json, JavaScript's JSON.parse) refuse."""
+    import numpy as np
+
+    words = new_bitmask(1, vocab_size, pin=False).shape[1]
+    allowed = np.zeros(words * 32, dtype=bool)
+    vocab = info.decoded_vocab  # built anew on each read
+    allowed[:len(vocab)] = [all(byte >= 0x20 for byte in token) for token in vocab]
+    allowed[list(stop_ids)] = True
+    bits = allowed.reshape(words, 32).astype(np.uint64) << np.arange(32, dtype=np.uint64)
+    return torch.from_numpy(bits.sum(axis=1).astype(np.uint32).view(np.int32))
 
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:

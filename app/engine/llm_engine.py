@@ -136,7 +136,7 @@ class LLMEngine:
                     started = not future.cancel()
                     raise InvalidRequestError(field, f"did not compile within {self.grammars.timeout_s:g} s") \
                         if started else InvalidRequestError(field, "the guide compiler is busy; retry", status=503)
-                matchers = [self.grammars.matcher(future.result()) for _ in request.seqs]
+                matchers = [self.grammars.matcher(future.result(), request.params.guide) for _ in request.seqs]
             except Exception as exc:  # noqa: BLE001 - this request's failure, not the engine's
                 output = self.abort_request(request_id)
                 output.error = exc if isinstance(exc, InvalidRequestError) else \

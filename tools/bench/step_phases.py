@@ -1,0 +1,96 @@
+"""Where a step's host time goes: the engine's step phases timed by wrapping each function, per run,
+in ms per step. Runs the benchmark's JSON-schema guided workload and the free one at the guided
+answers' lengths (as `tools/benchmark.py engine --guided`), alternating, on one engine.
+
+A phase's time is the host's time inside the function (`readback`: waiting for the device and
+copying the step's tokens back; `fill`: the guided masks' fill, on its own thread where the stream
+gate is used, so it overlaps the others). `wall` per step minus `readback` is what the host was busy.
+
+    python -m tools.bench.step_phases --model configs/shapes/llama-3.1-8b --rounds 2
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections import defaultdict
+from dataclasses import replace
+
+import app.engine.guided as guided
+import app.engine.llm_engine as llm_engine
+import app.engine.model_runner as model_runner
+import app.engine.sampler as sampler
+import app.engine.scheduler as scheduler
+from app.engine import EngineConfig, LLMEngine, SamplingParams
+from app.engine.guided import Guide
+from tools.bench.engine_runner import run_engine
+from tools.bench.workload import fresh_prompts, run_seed, synthetic
+
+PHASES = [(llm_engine.LLMEngine, "step", "step"), (llm_engine.LLMEngine, "_admit_compiled", "admit"),
+          (llm_engine.LLMEngine, "_outputs", "outputs"),
+          (model_runner.ModelRunner, "launch", "launch"), (model_runner.ModelRunner, "sample", "queue sampling"),
+          (sampler.Sampler, "_mask", "queue masks"), (sampler, "fill_bitmask", "fill"),
+          (sampler.DeviceSample, "result", "readback"), (guided.GrammarMatcher, "accept", "accept"),
+          (scheduler.Scheduler, "schedule", "schedule"), (scheduler.Scheduler, "update", "update")]
+
+
+def timed(spent: dict[str, float]) -> None:
+    """Wrap every phase so that its time adds up in `spent`."""
+    for owner, name, label in PHASES:
+        def wrapper(*args, _inner=getattr(owner, name), _label=label, **kwargs):
+            start = time.perf_counter()
+            try:
+                return _inner(*args, **kwargs)
+            finally:
+                spent[_label] += time.perf_counter() - start
+        setattr(owner, name, wrapper)
+
+
+def main() -> None:
+    from tools.benchmark import GUIDED_SCHEMA
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--num-requests", type=int, default=256)
+    parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    spent: dict[str, float] = defaultdict(float)
+    timed(spent)
+    engine = LLMEngine(EngineConfig(model=args.model, device=args.device, dtype=args.dtype, load_format="dummy",
+                                    max_batch_size=args.concurrency))
+    vocab = engine.limits.vocab_size
+    wl = synthetic(args.num_requests, "128", 128, vocab, 0, True, args.concurrency)
+    engine.generate([[100] * 16], SamplingParams(max_tokens=4, temperature=0.0))  # warm-up, on no prompt's tokens
+    guide = Guide("json_schema", json.dumps(GUIDED_SCHEMA), "bench")
+    engine.grammars.compile(guide).result()
+    rows = []
+
+    def measured(workload, name, guide=None):
+        spent.clear()
+        steps, start = engine.num_steps, time.perf_counter()
+        result = run_engine(engine, workload, name, guide)
+        wall, count = time.perf_counter() - start, engine.num_steps - steps
+        per_step = {label: round(seconds / count * 1e3, 3) for label, seconds in sorted(spent.items())}
+        per_step["wall"] = round(wall / count * 1e3, 3)
+        row = {"run": name, "out_tok_s": round(result.output_tok_s, 1), "steps": count,
+               "tpot_p50_ms": (result.tpot_ms or {}).get("p50"), "ms_per_step": per_step}
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+        return result
+
+    for rnd in range(args.rounds):
+        held = measured(fresh_prompts(wl, vocab, run_seed(rnd, "guided")), "JSON schema guided", guide)
+        measured(replace(fresh_prompts(wl, vocab, run_seed(rnd, "free")), output_lens=held.output_lens),
+                 "free, the guided lengths")
+    engine.shutdown()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "runs": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

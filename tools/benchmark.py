@@ -98,12 +98,13 @@ GUIDED_SCHEMA = {"type": "object", "properties": {
     "rating": {"enum": ["low", "medium", "high"]}}, "required": ["title", "year", "tags", "rating"]}
 
 
-def _guided_run(engine: LLMEngine, wl, seed: int) -> list:
+def _guided_run(engine: LLMEngine, wl, seed: int, run=run_engine) -> list:
     """The workload with every request held to GUIDED_SCHEMA, then free again with each request as
     long as its guided answer was (an answer ends with its object, so the guided run has more,
     shorter requests: its baseline is the free run of the same lengths). Each run has prompts of its
     own, of the same lengths, that no earlier run cached. The schema's compile time cold (first
-    sight) and cached (xgrammar's cache) goes into the guided result."""
+    sight) and cached (xgrammar's cache) goes into the guided result. `run`: how each run is run
+    (run_engine's arguments; tools/bench/step_phases.py times the engine's phases around it)."""
     from app.engine.guided import Guide
 
     guide = Guide("json_schema", json.dumps(GUIDED_SCHEMA), "bench")
@@ -113,11 +114,11 @@ def _guided_run(engine: LLMEngine, wl, seed: int) -> list:
         engine.grammars.compile(guide).result()
         compiled.append((time.perf_counter() - start) * 1e3)
     vocab = engine.limits.vocab_size
-    guided = run_engine(engine, fresh_prompts(wl, vocab, run_seed(seed, "guided")), "ours, JSON schema guided", guide)
+    guided = run(engine, fresh_prompts(wl, vocab, run_seed(seed, "guided")), "ours, JSON schema guided", guide)
     guided.extra = {**(guided.extra or {}), "compile_cold_ms": compiled[0], "compile_cached_ms": compiled[1]}
     print(f"schema compile: cold {compiled[0]:.1f} ms, cached {compiled[1]:.2f} ms", flush=True)
-    free = run_engine(engine, replace(fresh_prompts(wl, vocab, run_seed(seed, "free")), output_lens=guided.output_lens),
-                      "ours, free, the guided lengths")
+    free = run(engine, replace(fresh_prompts(wl, vocab, run_seed(seed, "free")), output_lens=guided.output_lens),
+               "ours, free, the guided lengths")
     return [free, guided]
 
 

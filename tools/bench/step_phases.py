@@ -14,7 +14,6 @@ import argparse
 import json
 import time
 from collections import defaultdict
-from dataclasses import replace
 
 import app.engine.guided as guided
 import app.engine.llm_engine as llm_engine
@@ -22,9 +21,8 @@ import app.engine.model_runner as model_runner
 import app.engine.sampler as sampler
 import app.engine.scheduler as scheduler
 from app.engine import EngineConfig, LLMEngine, SamplingParams
-from app.engine.guided import Guide
 from tools.bench.engine_runner import run_engine
-from tools.bench.workload import fresh_prompts, run_seed, synthetic
+from tools.bench.workload import synthetic
 
 PHASES = [(llm_engine.LLMEngine, "step", "step"), (llm_engine.LLMEngine, "_admit_compiled", "admit"),
           (llm_engine.LLMEngine, "_outputs", "outputs"),
@@ -47,7 +45,7 @@ def timed(spent: dict[str, float]) -> None:
 
 
 def main() -> None:
-    from tools.benchmark import GUIDED_SCHEMA
+    from tools.benchmark import _guided_run
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True)
@@ -62,14 +60,11 @@ def main() -> None:
     timed(spent)
     engine = LLMEngine(EngineConfig(model=args.model, device=args.device, dtype=args.dtype, load_format="dummy",
                                     max_batch_size=args.concurrency))
-    vocab = engine.limits.vocab_size
-    wl = synthetic(args.num_requests, "128", 128, vocab, 0, True, args.concurrency)
+    wl = synthetic(args.num_requests, "128", 128, engine.limits.vocab_size, 0, True, args.concurrency)
     engine.generate([[100] * 16], SamplingParams(max_tokens=4, temperature=0.0))  # warm-up, on no prompt's tokens
-    guide = Guide("json_schema", json.dumps(GUIDED_SCHEMA), "bench")
-    engine.grammars.compile(guide).result()
     rows = []
 
-    def measured(workload, name, guide=None):
+    def measured(engine, workload, name, guide=None):
         spent.clear()
         steps, start = engine.num_steps, time.perf_counter()
         result = run_engine(engine, workload, name, guide)
@@ -82,10 +77,8 @@ def main() -> None:
         rows.append(row)
         return result
 
-    for rnd in range(args.rounds):
-        held = measured(fresh_prompts(wl, vocab, run_seed(rnd, "guided")), "JSON schema guided", guide)
-        measured(replace(fresh_prompts(wl, vocab, run_seed(rnd, "free")), output_lens=held.output_lens),
-                 "free, the guided lengths")
+    for rnd in range(args.rounds):  # the guided run, then the free one at its lengths (benchmark.py's pair)
+        _guided_run(engine, wl, rnd, run=measured)
     engine.shutdown()
     if args.json:
         with open(args.json, "w") as f:

@@ -190,11 +190,14 @@ def new_bitmask(rows: int, vocab_size: int, pin: bool) -> torch.Tensor:
 
 
 def fill_bitmask(matchers: list[GrammarMatcher], bitmask: torch.Tensor, rows: list[int]) -> None:
-    """Row rows[i] of `bitmask` for matchers[i], all at once on xgrammar's threads (without the GIL)."""
+    """Row rows[i] of `bitmask` for matchers[i], all at once on xgrammar's threads (without the GIL).
+    From any thread: the bitmask may be the engine's, made under inference mode, which only inference
+    mode may update in place (a fill thread is not in it)."""
     matchers[0].batch.batch_fill_next_token_bitmask([m.xgrammar_matcher for m in matchers], bitmask, rows)
     json_rows = [row for m, row in zip(matchers, rows) if m.json_safe is not None]
     if json_rows:
-        bitmask[json_rows] &= next(m.json_safe for m in matchers if m.json_safe is not None)
+        with torch.inference_mode():
+            bitmask[json_rows] &= next(m.json_safe for m in matchers if m.json_safe is not None)
 
 
 def _json_safe_row(info, vocab_size: int, stop_ids: tuple[int, ...]) -> torch.Tensor:

@@ -89,6 +89,22 @@ def test_a_json_guide_never_lets_a_raw_control_character_into_a_string(engine, c
     assert set(json.loads(text)) == {"note"}  # strict: a raw control character would raise
 
 
+def test_a_json_mask_fills_on_a_thread_outside_inference_mode(engine):
+    """On a GPU the engine's bitmask is made under inference mode and filled on a thread of its own
+    (behind the stream gate), where inference mode is off: the fill must still update it."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    guide = Guide("json_schema", json.dumps(CAT))
+    matcher = engine.grammars.matcher(engine.grammars.compile(guide).result(), guide)
+    with torch.inference_mode():
+        bitmask = new_bitmask(1, engine.grammars.vocab_size, pin=False)
+    with ThreadPoolExecutor(1) as thread:
+        thread.submit(fill_bitmask, [matcher], bitmask, [0]).result()
+    logits = torch.zeros(1, engine.grammars.vocab_size)
+    apply_bitmask(logits, bitmask, [0])
+    assert 0 < (logits[0] == 0).sum() < 10  # an object starts with "{" or "{\""
+
+
 def test_a_structural_tag_masks_only_between_its_begin_and_end(engine, chat):
     """Walked by hand: before the trigger and after the end any token goes; after the begin only
     JSON of the schema, up to the end."""

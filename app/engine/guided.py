@@ -16,6 +16,7 @@ computes.
 """
 from __future__ import annotations
 
+import functools
 import json
 import re
 import threading
@@ -32,6 +33,12 @@ KINDS = ("json", "json_schema", "regex", "ebnf", "structural_tag")
 CACHE_BYTES = 256 << 20  # compiled grammars kept (xgrammar evicts the least recently used)
 COMPILE_TIMEOUT_S = 10.0  # from arrival, queueing behind other compiles included
 MAX_QUEUED_COMPILES = 64  # past this, a guide that needs compiling is refused (503) at once
+PARSED_GUIDES = 256  # guides whose parsed grammar is kept (xgrammar caches compiled ones itself)
+# The longest bounded string written as a pattern (_bounded_strings_as_patterns): xgrammar unrolls
+# a regex repeat up to this count into its automaton; past it, the pattern costs more than maxLength.
+MAX_PATTERN_LENGTH = 128
+# Keywords whose values are data, not schemas: a rewrite must not touch them.
+_DATA_KEYWORDS = ("const", "enum", "default", "examples")
 
 
 @dataclass(frozen=True)
@@ -75,23 +82,9 @@ class GrammarCompiler:
             return self._compiler
 
     def check(self, guide: Guide):
-        """The guide parsed (no vocabulary involved: fast); InvalidRequestError naming its field
-        when it does not parse."""
-        import xgrammar
-
-        if guide.kind not in KINDS:
-            raise InvalidRequestError(guide.field, f"guide type {guide.kind!r} is not supported ({', '.join(KINDS)})")
-        tag = _structural_tag(guide) if guide.kind == "structural_tag" else None
-        with _compile_errors(guide):
-            if tag is not None:
-                return xgrammar.Grammar.from_structural_tag(tag)
-            if guide.kind == "json":
-                return xgrammar.Grammar.from_json_schema('{"type": "object"}', any_whitespace=False)
-            if guide.kind == "json_schema":
-                return xgrammar.Grammar.from_json_schema(guide.spec, any_whitespace=False)
-            if guide.kind == "regex":
-                return xgrammar.Grammar.from_regex(guide.spec)
-            return xgrammar.Grammar.from_ebnf(guide.spec)
+        """The guide parsed (no vocabulary involved); InvalidRequestError naming its field when it
+        does not parse."""
+        return _parsed(guide)
 
     def compile(self, guide: Guide) -> Future:
         """Check the guide now, compile it on the compile thread: a future of its compiled grammar."""
@@ -122,6 +115,28 @@ class GrammarCompiler:
 
         json_safe = self._json_safe if guide.kind in ("json", "json_schema") else None
         return GrammarMatcher(xgrammar.GrammarMatcher(compiled), self.vocab_size, self._batch, json_safe)
+
+
+@functools.lru_cache(maxsize=PARSED_GUIDES)
+def _parsed(guide: Guide):
+    """xgrammar's grammar of the guide, kept for the guides seen last: a schema with patterns takes
+    milliseconds to parse, on the thread that adds the request (the engine's), for every request.
+    Errors are not kept (lru_cache keeps results only)."""
+    import xgrammar
+
+    if guide.kind not in KINDS:
+        raise InvalidRequestError(guide.field, f"guide type {guide.kind!r} is not supported ({', '.join(KINDS)})")
+    tag = _structural_tag(guide) if guide.kind == "structural_tag" else None
+    with _compile_errors(guide):
+        if tag is not None:
+            return xgrammar.Grammar.from_structural_tag(tag)
+        if guide.kind == "json":
+            return xgrammar.Grammar.from_json_schema('{"type": "object"}', any_whitespace=False)
+        if guide.kind == "json_schema":
+            return xgrammar.Grammar.from_json_schema(_bounded_strings_as_patterns(guide.spec), any_whitespace=False)
+        if guide.kind == "regex":
+            return xgrammar.Grammar.from_regex(guide.spec)
+        return xgrammar.Grammar.from_ebnf(guide.spec)
 
 
 @contextmanager
@@ -159,8 +174,39 @@ def _structural_tag(guide: Guide):
              'an object with "begin", "schema" and "end"')
         need(isinstance(s["begin"], str) and isinstance(s["end"], str), f"structures[{i}].begin and end", "strings")
         need(isinstance(s["schema"], dict), f"structures[{i}].schema", "a JSON schema object")
-    items = [xgrammar.StructuralTagItem(begin=s["begin"], schema=s["schema"], end=s["end"]) for s in structures]
+    items = [xgrammar.StructuralTagItem(begin=s["begin"], schema=_bounded_strings_as_patterns(s["schema"]),
+                                        end=s["end"]) for s in structures]
     return xgrammar.StructuralTag.from_legacy_structural_tag(items, triggers)
+
+
+def _bounded_strings_as_patterns(schema: str | dict) -> str | dict:
+    """The schema with each string of maxLength <= MAX_PATTERN_LENGTH (and no pattern or format of
+    its own) written as the pattern of that many characters that are not control characters. The
+    two accept the same JSON strings, except raw control characters, which JSON forbids and
+    xgrammar 0.2.8's maxLength admits (mlc-ai/xgrammar#800). The pattern is the cheaper to
+    follow: xgrammar's maxLength costs about a millisecond per row a few characters before the
+    bound (mlc-ai/xgrammar#852); 64 rows walking the benchmark's schema fill in 4.4 ms against
+    0.49 as patterns (one thread of an H200 machine's CPU). A schema that is not JSON is returned
+    as it came, for xgrammar to name the fault."""
+    if isinstance(schema, str):
+        try:
+            parsed = json.loads(schema)
+        except ValueError:
+            return schema
+        return json.dumps(_bounded_strings_as_patterns(parsed))
+    if isinstance(schema, list):
+        return [_bounded_strings_as_patterns(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    rewritten = {key: value if key in _DATA_KEYWORDS else _bounded_strings_as_patterns(value)
+                 for key, value in schema.items()}
+    low, high = rewritten.get("minLength", 0), rewritten.get("maxLength")
+    if (rewritten.get("type") == "string" and "pattern" not in rewritten and "format" not in rewritten
+            and type(low) is int and type(high) is int and 0 <= low <= high <= MAX_PATTERN_LENGTH):
+        del rewritten["maxLength"]
+        rewritten.pop("minLength", None)
+        rewritten["pattern"] = f"^[^\\x00-\\x1f]{{{low},{high}}}$"
+    return rewritten
 
 
 class GrammarMatcher:

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from app.engine import InvalidRequestError, SamplingParams
-from app.engine.guided import Guide, apply_bitmask, fill_bitmask, new_bitmask
+from app.engine.guided import (MAX_PATTERN_LENGTH, Guide, _bounded_strings_as_patterns, apply_bitmask,
+                               fill_bitmask, new_bitmask)
 from app.text import Tokenizer
 from tests.conftest import make_engine
 
@@ -69,24 +70,56 @@ def _tags(begin, schema, end, trigger):
                                                "triggers": [trigger]}), "guided_decoding_guide")
 
 
-def test_a_json_guide_never_lets_a_raw_control_character_into_a_string(engine, chat):
+@pytest.mark.parametrize("max_length", [30, MAX_PATTERN_LENGTH + 1])
+def test_a_json_guide_never_lets_a_raw_control_character_into_a_string(engine, chat, max_length):
     """RFC 8259 wants control characters in JSON strings escaped. xgrammar's grammar for a string
-    with maxLength lets them in raw (mlc-ai/xgrammar#800); the masks of JSON guides take out every
-    token with a byte below 0x20, so a model pushed hard toward a tab still writes JSON that a
-    strict parser reads. (If xgrammar's grammar stops admitting the tab, the first assert fails
-    and the workaround in guided.py can go.)"""
+    with maxLength lets them in raw (mlc-ai/xgrammar#800). Up to MAX_PATTERN_LENGTH the bound is
+    written as a pattern, whose grammar refuses them; past it the masks of JSON guides take out
+    every token with a byte below 0x20. Either way a model pushed hard toward a tab still writes
+    JSON that a strict parser reads. (If xgrammar's own grammar stops admitting the tab past the
+    pattern length, the assert on `bare` fails and the mask workaround in guided.py can go.)"""
     import xgrammar
 
     tokenizer, prompt = chat
-    schema = {"type": "object", "properties": {"note": {"type": "string", "maxLength": 30}},
+    schema = {"type": "object", "properties": {"note": {"type": "string", "maxLength": max_length}},
               "required": ["note"], "additionalProperties": False}
     guide = Guide("json_schema", json.dumps(schema))
     [tab] = tokenizer.encode("\t", add_special_tokens=False)
     bare = xgrammar.GrammarMatcher(engine.grammars.compile(guide).result())
-    assert bare.accept_string('{"note": "a') and bare.accept_token(tab)
+    assert bare.accept_string('{"note": "a') and bare.accept_token(tab) == (max_length > MAX_PATTERN_LENGTH)
     text, finish = _text(engine, tokenizer, prompt("Write a short note."), guide, logit_bias={tab: 100.0})
     assert finish == "stop" and "\t" not in text
     assert set(json.loads(text)) == {"note"}  # strict: a raw control character would raise
+
+
+def test_bounded_strings_are_held_to_the_same_strings_as_patterns(engine):
+    """A string's minLength/maxLength is compiled as a pattern (cheaper to follow): the pattern
+    accepts exactly the strings xgrammar's own maxLength accepts, less raw control characters.
+    Counts are in characters, not bytes; data (enum, const) and longer bounds are left alone."""
+    schema = {"type": "object", "properties": {
+        "a": {"type": "string", "minLength": 2, "maxLength": 5},
+        "b": {"enum": [{"type": "string", "maxLength": 3}]},
+        "c": {"type": "string", "maxLength": MAX_PATTERN_LENGTH + 1},
+        "d": {"type": "string", "maxLength": 4, "format": "date"}}}
+    rewritten = json.loads(_bounded_strings_as_patterns(json.dumps(schema)))
+    assert rewritten["properties"]["a"] == {"type": "string", "pattern": "^[^\\x00-\\x1f]{2,5}$"}
+    assert [rewritten["properties"][k] for k in "bcd"] == [schema["properties"][k] for k in "bcd"]
+
+    import xgrammar
+
+    compiler = engine.grammars._get()
+    own = compiler.compile_json_schema(json.dumps(schema["properties"]["a"]), any_whitespace=False)
+    ours = engine.grammars.compile(Guide("json_schema", json.dumps(schema["properties"]["a"]))).result()
+
+    def whole(grammar, text):  # the text is a complete answer of the grammar
+        matcher = xgrammar.GrammarMatcher(grammar)
+        return matcher.accept_string(text) and matcher.is_completed()
+
+    for text in ['"ab"', '"abcde"', '"abcdef"', '"a"', '"a\\"b"', '"a\\nb"', '"a b"', '"é€😀ab"', '"é€😀abc"',
+                 '"a"b"', '"ab" ']:
+        assert whole(own, text) == whole(ours, text), text
+    assert whole(own, '"ab"') and not whole(own, '"abcdef"')  # the comparison has teeth
+    assert whole(own, '"a\tb"') and not whole(ours, '"a\tb"')  # a raw tab
 
 
 def test_a_json_mask_fills_on_a_thread_outside_inference_mode(engine):

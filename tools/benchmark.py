@@ -34,6 +34,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
 
 from app.engine import EngineConfig, LLMEngine, SamplingParams
+from app.engine.guided import Guide
 from app.engine.worker import resolve_dtype
 from tools.bench.engine_runner import run_engine
 from tools.bench.report import stages_table, table
@@ -99,26 +100,30 @@ GUIDED_SCHEMA = {"type": "object", "properties": {
 
 
 def _guided_run(engine: LLMEngine, wl, seed: int, run=run_engine) -> list:
-    """The workload with every request held to GUIDED_SCHEMA, then free again with each request as
-    long as its guided answer was (an answer ends with its object, so the guided run has more,
-    shorter requests: its baseline is the free run of the same lengths). Each run has prompts of its
-    own, of the same lengths, that no earlier run cached. The schema's compile time cold (first
-    sight) and cached (xgrammar's cache) goes into the guided result. `run`: how each run is run
+    """The guided pair (_guided_pair) on the engine, with the schema's compile time cold (first
+    sight) and cached (xgrammar's cache) in the guided result. `run`: how each run is run
     (run_engine's arguments; tools/bench/step_phases.py times the engine's phases around it)."""
-    from app.engine.guided import Guide
-
     guide = Guide("json_schema", json.dumps(GUIDED_SCHEMA), "bench")
     compiled = []
     for _ in range(2):
         start = time.perf_counter()
         engine.grammars.compile(guide).result()
         compiled.append((time.perf_counter() - start) * 1e3)
-    vocab = engine.limits.vocab_size
-    guided = run(engine, fresh_prompts(wl, vocab, run_seed(seed, "guided")), "ours, JSON schema guided", guide)
+    free, guided = _guided_pair(lambda w, name: run(engine, w, name), wl, engine.limits.vocab_size, seed, "ours")
     guided.extra = {**(guided.extra or {}), "compile_cold_ms": compiled[0], "compile_cached_ms": compiled[1]}
     print(f"schema compile: cold {compiled[0]:.1f} ms, cached {compiled[1]:.2f} ms", flush=True)
-    free = run(engine, replace(fresh_prompts(wl, vocab, run_seed(seed, "free")), output_lens=guided.output_lens),
-               "ours, free, the guided lengths")
+    return [free, guided]
+
+
+def _guided_pair(run, wl, vocab: int, seed: int, label: str) -> list:
+    """`run(workload, name)` with every request held to GUIDED_SCHEMA, then free again with each
+    request as long as a guided answer was (an answer ends with its object, so the guided run has
+    more, shorter requests: its baseline is the free run of the same lengths). Each run has prompts
+    of its own, of the same lengths, that no earlier run cached. [free, guided]."""
+    guided = run(replace(fresh_prompts(wl, vocab, run_seed(seed, label, "guided")), guide=json.dumps(GUIDED_SCHEMA)),
+                 f"{label}, JSON schema guided")
+    free = run(replace(fresh_prompts(wl, vocab, run_seed(seed, label, "free")), output_lens=guided.output_lens),
+               f"{label}, free, the guided lengths")
     return [free, guided]
 
 
@@ -172,6 +177,8 @@ def serve_command(args) -> dict:
     if len(names) < args.adapters or (names and args.route != "openai" and not args.engine_only):
         raise SystemExit(f"--adapters {args.adapters}: the config registers {len(config.lora_adapters)} "
                          "(lora_adapters; tools/gpu/lora_config.py writes such a config); /v1 route only")
+    if names and args.guided:
+        raise SystemExit("--guided and --adapters: one at a time")
     spread = {c: replace(wl, adapters=[names[i % len(names)] for i in range(wl.num_requests)])
               for c, wl in workloads.items()} if names else {}
     label = f" {len(names)} adapters"
@@ -180,8 +187,13 @@ def serve_command(args) -> dict:
         engine = LLMEngine(config.engine_config())
         for adapter in names:
             engine.add_lora(adapter, config.lora_adapters[adapter])
-        engine.generate([[100] * 16], SamplingParams(max_tokens=4, temperature=0.0))
+        # The warm-up compiles the schema too: its cold compile (seconds) is not a level's to carry.
+        engine.generate([[100] * 16], SamplingParams(max_tokens=4, temperature=0.0, guide=Guide(
+            "json_schema", json.dumps(GUIDED_SCHEMA), "bench") if args.guided else None))
         for c, wl in workloads.items():
+            if args.guided:
+                results += _guided_pair(lambda w, name: run_engine(engine, w, name), wl, vocab, args.seed, f"engine c={c}")
+                continue
             results.append(run_engine(engine, wl, f"engine c={c}"))
             if names:  # the base model and the adapters mixed, back to back on the same engine
                 results.append(run_engine(engine, spread[c], f"engine c={c}{label}"))
@@ -191,13 +203,18 @@ def serve_command(args) -> dict:
     if not args.engine_only:
         url = args.url or _start_server(args.config, args.port)
         name = config.name
-        warmup = synthetic(args.warmup, "8", 4, vocab, 99, True, args.warmup)
+        warmup = replace(synthetic(args.warmup, "8", 4, vocab, 99, True, args.warmup),
+                         guide=json.dumps(GUIDED_SCHEMA) if args.guided else None)
         for c, wl in workloads.items():
             for p in dict.fromkeys(min(p, c) for p in args.client_processes):  # as given; at most one a stream
                 asyncio.run(run_http(url, args.route, name, warmup, "warm-up"))
                 run = f"dag {args.route} c={c}" + (f" x{p} clients" if p > 1 else "")
                 # The server outlives this command: every run, on either route, brings prompts of its own.
                 own = fresh_prompts(wl, vocab, run_seed(args.seed, args.route, c, p))
+                if args.guided:
+                    results += _guided_pair(lambda w, label: run_load(url, args.route, name, w, label, p), own, vocab,
+                                            run_seed(args.seed, args.route, c, p), run)
+                    continue
                 results.append(run_load(url, args.route, name, own, run, p))
                 if names:
                     results.append(run_load(url, args.route, name, replace(own, adapters=spread[c].adapters),
@@ -285,6 +302,8 @@ def main(argv=None) -> None:
                    help="the prompts' seed (default: a new one each time, recorded in the JSON: a server outlives "
                         "the command, and a second command on the same prompts would find their KV cached)")
     s.add_argument("--compare-engine", action="store_true")
+    s.add_argument("--guided", action="store_true",
+                   help="each level twice: every request held to a JSON schema, then free at the guided answers' lengths")
     s.add_argument("--engine-only", action="store_true", help="the engine levels alone, no server")
     s.add_argument("--client-processes", type=int, nargs="+", default=[1],
                    help="run each level from each of these numbers of load-generator processes, in this order")

@@ -40,3 +40,23 @@ def test_no_benchmark_run_reuses_another_runs_prompts(server):
     after = engine.stats.remote().result()
     assert after["new_blocks_total"] >= before["new_blocks_total"] + 12  # the runs' prompts were there
     assert after["reused_blocks_total"] == before["reused_blocks_total"]
+
+
+def test_the_guided_benchmark_holds_requests_to_its_schema_on_both_routes(server, tmp_path):
+    """`serve --guided` sends the schema on each route (answers end with their object, short of
+    the token budget that ignore_eos would otherwise fill), then the free run at exactly the guided
+    answers' lengths."""
+    import json
+
+    from tools.benchmark import main
+
+    main(["serve", "--url", server, "--config", "configs/smollm2-135m.yaml", "--route", "openai", "--guided",
+          "--concurrency", "2", "--num-requests", "3", "--input-len", "16", "--output-len", "400", "--ignore-eos",
+          "--json", str(tmp_path / "openai.json")])
+    main(["serve", "--url", server, "--config", "configs/smollm2-135m.yaml", "--route", "triton", "--guided",
+          "--concurrency", "2", "--num-requests", "3", "--input-len", "16", "--output-len", "400", "--ignore-eos",
+          "--json", str(tmp_path / "triton.json")])
+    for route in ("openai", "triton"):
+        free, guided = json.loads((tmp_path / f"{route}.json").read_text())["results"]
+        assert "guided" in guided["name"] and "free" in free["name"]
+        assert 0 < guided["output_tokens"] < 3 * 400 and free["output_tokens"] == guided["output_tokens"], (free, guided)

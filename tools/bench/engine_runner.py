@@ -10,7 +10,8 @@ from tools.bench.report import RequestTiming, RunResult, summarize
 from tools.bench.workload import Workload
 
 
-def run_engine(engine: LLMEngine, wl: Workload, name: str = "ours", guide: Guide | None = None) -> RunResult:
+def run_engine(engine: LLMEngine, wl: Workload, name: str = "ours") -> RunResult:
+    guide = Guide("json_schema", wl.guide, "bench") if wl.guide else None
     params = SamplingParams(max_tokens=wl.output_len, temperature=wl.temperature, top_p=wl.top_p,
                             ignore_eos=wl.ignore_eos, guide=guide)
     arrived: dict[str, float] = {}

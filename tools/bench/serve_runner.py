@@ -34,15 +34,18 @@ from tools.bench.report import RequestTiming, RunResult, summarize
 from tools.bench.workload import Workload
 
 
-def _request(route: str, model: str, prompt: list[int], wl: Workload) -> tuple[str, dict]:
+def _request(route: str, model: str, prompt: list[int], max_tokens: int, wl: Workload) -> tuple[str, dict]:
     if route == "openai":
-        return "/v1/completions", {"model": model, "prompt": prompt, "max_tokens": wl.output_len,
+        guide = {"response_format": {"type": "json_schema", "json_schema": {
+            "name": "bench", "schema": json.loads(wl.guide)}}} if wl.guide else {}
+        return "/v1/completions", {"model": model, "prompt": prompt, "max_tokens": max_tokens,
                                    "temperature": wl.temperature, "top_p": wl.top_p,
-                                   "ignore_eos": wl.ignore_eos, "stream": True}
+                                   "ignore_eos": wl.ignore_eos, "stream": True, **guide}
+    guide = {"guided_decoding_guide_type": "json_schema", "guided_decoding_guide": wl.guide} if wl.guide else {}
     return "/v2/models/tensorrt_llm/generate_stream", {
-        "input_ids": prompt, "request_output_len": wl.output_len, "exclude_input_in_output": True,
+        "input_ids": prompt, "request_output_len": max_tokens, "exclude_input_in_output": True,
         "temperature": wl.temperature, "runtime_top_p": wl.top_p, "ignore_eos": wl.ignore_eos, "stream": True,
-        "return_perf_metrics": True}
+        "return_perf_metrics": True, **guide}
 
 
 def _tokens_in(event: dict, route: str) -> int:
@@ -52,8 +55,8 @@ def _tokens_in(event: dict, route: str) -> int:
 
 
 async def _one(session: aiohttp.ClientSession, url: str, route: str, model: str, prompt: list[int],
-               wl: Workload) -> RequestTiming:
-    path, body = _request(route, model, prompt, wl)
+               max_tokens: int, wl: Workload) -> RequestTiming:
+    path, body = _request(route, model, prompt, max_tokens, wl)
     start, sent = time.perf_counter(), time.time()
     stamps, tokens, first, perf = [], 0, 0.0, None
     async with session.post(url + path, json=body) as response:
@@ -93,7 +96,9 @@ def _ttft_stages(sent: float, first: float, perf: dict | None) -> dict[str, floa
 
 async def run_http(url: str, route: str, model: str, wl: Workload, name: str) -> RunResult:
     start, end, timings = await _timed(url, route, model, wl, name)
-    return summarize(name, end - start, timings, sum(map(len, wl.prompts)))
+    result = summarize(name, end - start, timings, sum(map(len, wl.prompts)))
+    result.output_lens = [t.output_tokens for t in timings]
+    return result
 
 
 def run_load(url: str, route: str, model: str, wl: Workload, name: str, processes: int = 1) -> RunResult:
@@ -126,6 +131,7 @@ def run_load(url: str, route: str, model: str, wl: Workload, name: str, processe
     result = summarize(name, max(e for _, e, _ in parts) - min(s for s, _, _ in parts), timings,
                        sum(map(len, wl.prompts)))
     result.extra = {"client_processes": processes}
+    result.output_lens = [t.output_tokens for t in timings]  # in no particular order: the lengths' spread
     return result
 
 
@@ -134,6 +140,7 @@ def _slice(wl: Workload, k: int, processes: int) -> Workload:
     return replace(wl, prompts=[wl.prompts[i] for i in pick],
                    arrivals_s=None if wl.arrivals_s is None else [wl.arrivals_s[i] for i in pick],
                    adapters=None if wl.adapters is None else [wl.adapters[i] for i in pick],
+                   output_lens=None if wl.output_lens is None else [wl.output_lens[i] for i in pick],
                    concurrency=wl.concurrency // processes + (k < wl.concurrency % processes))
 
 
@@ -165,7 +172,8 @@ async def _timed(url: str, route: str, model: str, wl: Workload, name: str,
                 await asyncio.sleep(max(0.0, wl.arrivals_s[i] - (time.perf_counter() - start)))
             async with gate:
                 own = wl.adapters[i] if wl.adapters and wl.adapters[i] else model  # /v1 routes by model name
-                timing = await _one(client, base, route, own, wl.prompts[i], wl)
+                max_tokens = wl.output_lens[i] if wl.output_lens else wl.output_len
+                timing = await _one(client, base, route, own, wl.prompts[i], max_tokens, wl)
             bar.update()
             return timing
 

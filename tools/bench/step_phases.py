@@ -54,20 +54,24 @@ def main() -> None:
     parser.add_argument("--num-requests", type=int, default=256)
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--no-gate", action="store_true",
+                        help="no stream gate: the masks are filled on the engine's thread before the sampling is queued")
     parser.add_argument("--json")
     args = parser.parse_args()
     spent: dict[str, float] = defaultdict(float)
     timed(spent)
+    if args.no_gate:  # as on a driver without stream memory operations
+        sampler.StreamGate.for_device = classmethod(lambda cls, device: None)
     engine = LLMEngine(EngineConfig(model=args.model, device=args.device, dtype=args.dtype, load_format="dummy",
                                     max_batch_size=args.concurrency))
     wl = synthetic(args.num_requests, "128", 128, engine.limits.vocab_size, 0, True, args.concurrency)
     engine.generate([[100] * 16], SamplingParams(max_tokens=4, temperature=0.0))  # warm-up, on no prompt's tokens
     rows = []
 
-    def measured(engine, workload, name, guide=None):
+    def measured(engine, workload, name):
         spent.clear()
         steps, start = engine.num_steps, time.perf_counter()
-        result = run_engine(engine, workload, name, guide)
+        result = run_engine(engine, workload, name)
         wall, count = time.perf_counter() - start, engine.num_steps - steps
         per_step = {label: round(seconds / count * 1e3, 3) for label, seconds in sorted(spent.items())}
         per_step["wall"] = round(wall / count * 1e3, 3)

@@ -17,6 +17,7 @@ class Workload:
     output_lens: list[int] | None = None  # per request, in place of output_len
     temperature: float = 0.0  # 0: greedy; else every request samples (unseeded), as most sampled traffic does
     top_p: float = 1.0
+    guide: str | None = None  # a JSON schema (text) every request's output is held to
 
     @property
     def num_requests(self) -> int:

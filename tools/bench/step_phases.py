@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from collections import defaultdict
 
@@ -56,12 +57,16 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--no-gate", action="store_true",
                         help="no stream gate: the masks are filled on the engine's thread before the sampling is queued")
+    parser.add_argument("--switch-interval", type=float, default=None,
+                        help="the interpreter's GIL switch interval in seconds (default: Python's, 0.005)")
     parser.add_argument("--json")
     args = parser.parse_args()
     spent: dict[str, float] = defaultdict(float)
     timed(spent)
     if args.no_gate:  # as on a driver without stream memory operations
         sampler.StreamGate.for_device = classmethod(lambda cls, device: None)
+    if args.switch_interval:  # how long the fill's thread may wait for the GIL the engine's thread holds
+        sys.setswitchinterval(args.switch_interval)
     engine = LLMEngine(EngineConfig(model=args.model, device=args.device, dtype=args.dtype, load_format="dummy",
                                     max_batch_size=args.concurrency))
     wl = synthetic(args.num_requests, "128", 128, engine.limits.vocab_size, 0, True, args.concurrency)

@@ -122,8 +122,8 @@ def _guided_pair(run, wl, vocab: int, seed: int, label: str) -> list:
     of its own, of the same lengths, that no earlier run cached. [free, guided]."""
     guided = run(replace(fresh_prompts(wl, vocab, run_seed(seed, label, "guided")), guide=json.dumps(GUIDED_SCHEMA)),
                  f"{label}, JSON schema guided")
-    free = run(replace(fresh_prompts(wl, vocab, run_seed(seed, label, "free")), output_lens=guided.output_lens),
-               f"{label}, free, the guided lengths")
+    free = run(replace(fresh_prompts(wl, vocab, run_seed(seed, label, "free")), output_lens=guided.output_lens,
+                       ignore_eos=True), f"{label}, free, the guided lengths")
     return [free, guided]
 
 
@@ -210,11 +210,11 @@ def serve_command(args) -> dict:
                 asyncio.run(run_http(url, args.route, name, warmup, "warm-up"))
                 run = f"dag {args.route} c={c}" + (f" x{p} clients" if p > 1 else "")
                 # The server outlives this command: every run, on either route, brings prompts of its own.
-                own = fresh_prompts(wl, vocab, run_seed(args.seed, args.route, c, p))
-                if args.guided:
-                    results += _guided_pair(lambda w, label: run_load(url, args.route, name, w, label, p), own, vocab,
+                if args.guided:  # the pair draws prompts of its own
+                    results += _guided_pair(lambda w, label: run_load(url, args.route, name, w, label, p), wl, vocab,
                                             run_seed(args.seed, args.route, c, p), run)
                     continue
+                own = fresh_prompts(wl, vocab, run_seed(args.seed, args.route, c, p))
                 results.append(run_load(url, args.route, name, own, run, p))
                 if names:
                     results.append(run_load(url, args.route, name, replace(own, adapters=spread[c].adapters),

@@ -16,7 +16,6 @@ computes.
 """
 from __future__ import annotations
 
-import functools
 import json
 import re
 import threading
@@ -33,12 +32,14 @@ KINDS = ("json", "json_schema", "regex", "ebnf", "structural_tag")
 CACHE_BYTES = 256 << 20  # compiled grammars kept (xgrammar evicts the least recently used)
 COMPILE_TIMEOUT_S = 10.0  # from arrival, queueing behind other compiles included
 MAX_QUEUED_COMPILES = 64  # past this, a guide that needs compiling is refused (503) at once
-PARSED_GUIDES = 256  # guides whose parsed grammar is kept (xgrammar caches compiled ones itself)
-# The longest bounded string written as a pattern (_bounded_strings_as_patterns): xgrammar unrolls
-# a regex repeat up to this count into its automaton; past it, the pattern costs more than maxLength.
+# Bounded strings written as patterns (_bounded_strings_as_patterns): xgrammar 0.2.8 compiles a
+# JSON-schema pattern's repeat up to 128 only (past it the compile fails); a pattern's parse costs
+# about its bound squared (4.5 ms at 128), so a schema's patterns stop at PATTERN_CHARS in all.
 MAX_PATTERN_LENGTH = 128
-# Keywords whose values are data, not schemas: a rewrite must not touch them.
+PATTERN_CHARS = 1024
+# Keywords whose values are data, not schemas, and those whose values map names to schemas.
 _DATA_KEYWORDS = ("const", "enum", "default", "examples")
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 
 
 @dataclass(frozen=True)
@@ -82,9 +83,23 @@ class GrammarCompiler:
             return self._compiler
 
     def check(self, guide: Guide):
-        """The guide parsed (no vocabulary involved); InvalidRequestError naming its field when it
-        does not parse."""
-        return _parsed(guide)
+        """The guide parsed as written (no vocabulary involved: fast); InvalidRequestError naming
+        its field when it does not parse."""
+        import xgrammar
+
+        if guide.kind not in KINDS:
+            raise InvalidRequestError(guide.field, f"guide type {guide.kind!r} is not supported ({', '.join(KINDS)})")
+        tag = _structural_tag(guide) if guide.kind == "structural_tag" else None
+        with _compile_errors(guide):
+            if tag is not None:
+                return xgrammar.Grammar.from_structural_tag(tag)
+            if guide.kind == "json":
+                return xgrammar.Grammar.from_json_schema('{"type": "object"}', any_whitespace=False)
+            if guide.kind == "json_schema":
+                return xgrammar.Grammar.from_json_schema(guide.spec, any_whitespace=False)
+            if guide.kind == "regex":
+                return xgrammar.Grammar.from_regex(guide.spec)
+            return xgrammar.Grammar.from_ebnf(guide.spec)
 
     def compile(self, guide: Guide) -> Future:
         """Check the guide now, compile it on the compile thread: a future of its compiled grammar."""
@@ -106,8 +121,17 @@ class GrammarCompiler:
             self._queued -= 1
 
     def _compile(self, guide: Guide, grammar):
+        """On the compile thread: JSON schemas with their bounded strings as patterns (whose parse
+        takes milliseconds, here, within the compile's timeout, not on the engine's thread)."""
+        import xgrammar
+
         with _compile_errors(guide):
-            return self._get().compile_grammar(grammar)
+            compiler = self._get()
+            if guide.kind == "json_schema":  # xgrammar caches it by the schema's text
+                return compiler.compile_json_schema(_bounded_strings_as_patterns(guide.spec), any_whitespace=False)
+            if guide.kind == "structural_tag":
+                grammar = xgrammar.Grammar.from_structural_tag(_structural_tag(guide, patterns=True))
+            return compiler.compile_grammar(grammar)
 
     def matcher(self, compiled, guide: Guide) -> GrammarMatcher:
         """A fresh matcher at the start of `guide`'s compiled grammar."""
@@ -115,28 +139,6 @@ class GrammarCompiler:
 
         json_safe = self._json_safe if guide.kind in ("json", "json_schema") else None
         return GrammarMatcher(xgrammar.GrammarMatcher(compiled), self.vocab_size, self._batch, json_safe)
-
-
-@functools.lru_cache(maxsize=PARSED_GUIDES)
-def _parsed(guide: Guide):
-    """xgrammar's grammar of the guide, kept for the guides seen last: a schema with patterns takes
-    milliseconds to parse, on the thread that adds the request (the engine's), for every request.
-    Errors are not kept (lru_cache keeps results only)."""
-    import xgrammar
-
-    if guide.kind not in KINDS:
-        raise InvalidRequestError(guide.field, f"guide type {guide.kind!r} is not supported ({', '.join(KINDS)})")
-    tag = _structural_tag(guide) if guide.kind == "structural_tag" else None
-    with _compile_errors(guide):
-        if tag is not None:
-            return xgrammar.Grammar.from_structural_tag(tag)
-        if guide.kind == "json":
-            return xgrammar.Grammar.from_json_schema('{"type": "object"}', any_whitespace=False)
-        if guide.kind == "json_schema":
-            return xgrammar.Grammar.from_json_schema(_bounded_strings_as_patterns(guide.spec), any_whitespace=False)
-        if guide.kind == "regex":
-            return xgrammar.Grammar.from_regex(guide.spec)
-        return xgrammar.Grammar.from_ebnf(guide.spec)
 
 
 @contextmanager
@@ -150,9 +152,10 @@ def _compile_errors(guide: Guide):
         raise InvalidRequestError(guide.field, f"does not compile as {guide.kind}: {reason}") from None
 
 
-def _structural_tag(guide: Guide):
+def _structural_tag(guide: Guide, patterns: bool = False):
     """The guide's structural tag as xgrammar's; InvalidRequestError naming the part at fault when
-    its JSON does not have TensorRT-LLM's shape (xgrammar itself checks triggers against begins)."""
+    its JSON does not have TensorRT-LLM's shape (xgrammar itself checks triggers against begins).
+    `patterns`: each schema's bounded strings as patterns (_bounded_strings_as_patterns)."""
     import xgrammar
 
     def need(ok: bool, where: str, what: str):
@@ -174,35 +177,48 @@ def _structural_tag(guide: Guide):
              'an object with "begin", "schema" and "end"')
         need(isinstance(s["begin"], str) and isinstance(s["end"], str), f"structures[{i}].begin and end", "strings")
         need(isinstance(s["schema"], dict), f"structures[{i}].schema", "a JSON schema object")
-    items = [xgrammar.StructuralTagItem(begin=s["begin"], schema=_bounded_strings_as_patterns(s["schema"]),
-                                        end=s["end"]) for s in structures]
+    items = [xgrammar.StructuralTagItem(begin=s["begin"], end=s["end"],
+                                        schema=_bounded_strings_as_patterns(s["schema"]) if patterns else s["schema"])
+             for s in structures]
     return xgrammar.StructuralTag.from_legacy_structural_tag(items, triggers)
 
 
 def _bounded_strings_as_patterns(schema: str | dict) -> str | dict:
     """The schema with each string of maxLength <= MAX_PATTERN_LENGTH (and no pattern or format of
-    its own) written as the pattern of that many characters that are not control characters. The
-    two accept the same JSON strings, except raw control characters, which JSON forbids and
-    xgrammar 0.2.8's maxLength admits (mlc-ai/xgrammar#800). The pattern is the cheaper to
-    follow: xgrammar's maxLength costs about a millisecond per row a few characters before the
-    bound (mlc-ai/xgrammar#852); 64 rows walking the benchmark's schema fill in 4.4 ms against
-    0.49 as patterns (one thread of an H200 machine's CPU). A schema that is not JSON is returned
-    as it came, for xgrammar to name the fault."""
-    if isinstance(schema, str):
-        try:
-            parsed = json.loads(schema)
-        except ValueError:
-            return schema
-        return json.dumps(_bounded_strings_as_patterns(parsed))
+    its own) written as the pattern of that many characters that are not control characters, in
+    document order up to PATTERN_CHARS of bounds. The two accept the same JSON strings, except raw
+    control characters, which JSON forbids and xgrammar 0.2.8's maxLength admits
+    (mlc-ai/xgrammar#800). The pattern is the cheaper to follow: xgrammar's maxLength costs about a
+    millisecond per row a few characters before the bound (mlc-ai/xgrammar#852); 64 rows walking
+    the benchmark's schema fill in 4.4 ms against 0.49 as patterns (one thread of an H200
+    machine's CPU). A schema that is not JSON, or too deep to walk, is returned as it came, for
+    xgrammar to judge."""
+    budget = [PATTERN_CHARS]
+    try:
+        if isinstance(schema, str):
+            return json.dumps(_rewrite(json.loads(schema), budget))
+        return _rewrite(schema, budget)
+    except (ValueError, RecursionError):
+        return schema
+
+
+def _rewrite(schema, budget: list[int]):
     if isinstance(schema, list):
-        return [_bounded_strings_as_patterns(item) for item in schema]
+        return [_rewrite(item, budget) for item in schema]
     if not isinstance(schema, dict):
         return schema
-    rewritten = {key: value if key in _DATA_KEYWORDS else _bounded_strings_as_patterns(value)
-                 for key, value in schema.items()}
+    rewritten = {}
+    for key, value in schema.items():
+        if key in _DATA_KEYWORDS:
+            rewritten[key] = value
+        elif key in _SCHEMA_MAPS and isinstance(value, dict):  # names, whatever they are, to schemas
+            rewritten[key] = {name: _rewrite(item, budget) for name, item in value.items()}
+        else:
+            rewritten[key] = _rewrite(value, budget)
     low, high = rewritten.get("minLength", 0), rewritten.get("maxLength")
     if (rewritten.get("type") == "string" and "pattern" not in rewritten and "format" not in rewritten
-            and type(low) is int and type(high) is int and 0 <= low <= high <= MAX_PATTERN_LENGTH):
+            and type(low) is int and type(high) is int and 0 <= low <= high <= min(MAX_PATTERN_LENGTH, budget[0])):
+        budget[0] -= high
         del rewritten["maxLength"]
         rewritten.pop("minLength", None)
         rewritten["pattern"] = f"^[^\\x00-\\x1f]{{{low},{high}}}$"

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from app.engine import InvalidRequestError, SamplingParams
-from app.engine.guided import (MAX_PATTERN_LENGTH, Guide, _bounded_strings_as_patterns, apply_bitmask,
-                               fill_bitmask, new_bitmask)
+from app.engine.guided import (MAX_PATTERN_LENGTH, PATTERN_CHARS, Guide, _bounded_strings_as_patterns,
+                               apply_bitmask, fill_bitmask, new_bitmask)
 from app.text import Tokenizer
 from tests.conftest import make_engine
 
@@ -95,15 +95,21 @@ def test_a_json_guide_never_lets_a_raw_control_character_into_a_string(engine, c
 def test_bounded_strings_are_held_to_the_same_strings_as_patterns(engine):
     """A string's minLength/maxLength is compiled as a pattern (cheaper to follow): the pattern
     accepts exactly the strings xgrammar's own maxLength accepts, less raw control characters.
-    Counts are in characters, not bytes; data (enum, const) and longer bounds are left alone."""
+    Counts are in characters, not bytes; data (enum, const) and longer bounds are left alone, and
+    a property's name is only a name."""
     schema = {"type": "object", "properties": {
         "a": {"type": "string", "minLength": 2, "maxLength": 5},
         "b": {"enum": [{"type": "string", "maxLength": 3}]},
         "c": {"type": "string", "maxLength": MAX_PATTERN_LENGTH + 1},
-        "d": {"type": "string", "maxLength": 4, "format": "date"}}}
+        "d": {"type": "string", "maxLength": 4, "format": "date"},
+        "default": {"type": "string", "maxLength": MAX_PATTERN_LENGTH}}}
     rewritten = json.loads(_bounded_strings_as_patterns(json.dumps(schema)))
     assert rewritten["properties"]["a"] == {"type": "string", "pattern": "^[^\\x00-\\x1f]{2,5}$"}
+    assert rewritten["properties"]["default"]["pattern"].endswith(f"{{0,{MAX_PATTERN_LENGTH}}}$")
     assert [rewritten["properties"][k] for k in "bcd"] == [schema["properties"][k] for k in "bcd"]
+    engine.grammars.compile(Guide("json_schema", json.dumps(schema))).result()  # the longest pattern compiles
+    # The engine's thread only checks the schema as written; the patterns are parsed on the compile thread.
+    assert "Regex(" not in str(engine.grammars.check(Guide("json_schema", json.dumps(schema))))
 
     import xgrammar
 
@@ -122,20 +128,52 @@ def test_bounded_strings_are_held_to_the_same_strings_as_patterns(engine):
     assert whole(own, '"a\tb"') and not whole(ours, '"a\tb"')  # a raw tab
 
 
-def test_a_json_mask_fills_on_a_thread_outside_inference_mode(engine):
-    """On a GPU the engine's bitmask is made under inference mode and filled on a thread of its own
-    (behind the stream gate), where inference mode is off: the fill must still update it."""
-    from concurrent.futures import ThreadPoolExecutor
+def test_patterns_stop_at_their_budget_and_a_schema_too_deep_comes_back_as_it_was():
+    """A pattern's parse costs about its bound squared: a schema's patterns stop at PATTERN_CHARS
+    of bounds, the later strings keep maxLength. A schema nested past Python's recursion limit is
+    left for xgrammar to judge."""
+    many = {"type": "object", "properties": {f"p{i}": {"type": "string", "maxLength": 100} for i in range(20)}}
+    assert _bounded_strings_as_patterns(json.dumps(many)).count('"pattern"') == PATTERN_CHARS // 100
+    deep = {"type": "string", "maxLength": 3}
+    for _ in range(5000):
+        deep = {"anyOf": [deep]}
+    assert _bounded_strings_as_patterns(deep) is deep
 
-    guide = Guide("json_schema", json.dumps(CAT))
-    matcher = engine.grammars.matcher(engine.grammars.compile(guide).result(), guide)
+
+def test_a_json_mask_is_filled_outside_inference_mode(engine, chat):
+    """On a GPU the engine's bitmask is made under inference mode and filled on a thread of its own
+    (behind the stream gate), where inference mode is off. The fill must still take out what JSON
+    cannot hold: here a raw tab, which xgrammar's grammar for a long bounded string admits."""
+    import xgrammar
+
+    tokenizer, _ = chat
+    [tab] = tokenizer.encode("\t", add_special_tokens=False)
+    [a] = tokenizer.encode("a", add_special_tokens=False)
+    schema = {"type": "object", "properties": {"note": {"type": "string", "maxLength": MAX_PATTERN_LENGTH + 1}}}
+    guide = Guide("json_schema", json.dumps(schema))
+    compiled = engine.grammars.compile(guide).result()
+    matcher = engine.grammars.matcher(compiled, guide)
+    assert matcher.xgrammar_matcher.accept_string('{"note": "a')
+    assert xgrammar.GrammarMatcher(compiled).accept_string('{"note": "a\t')  # the grammar alone lets it in
     with torch.inference_mode():
         bitmask = new_bitmask(1, engine.grammars.vocab_size, pin=False)
-    with ThreadPoolExecutor(1) as thread:
-        thread.submit(fill_bitmask, [matcher], bitmask, [0]).result()
+    fill_bitmask([matcher], bitmask, [0])
     logits = torch.zeros(1, engine.grammars.vocab_size)
     apply_bitmask(logits, bitmask, [0])
-    assert 0 < (logits[0] == 0).sum() < 10  # an object starts with "{" or "{\""
+    assert logits[0, a] == 0 and logits[0, tab] == float("-inf")
+
+
+def test_a_structural_tags_bounded_strings_refuse_raw_control_characters(engine, chat):
+    """Structural tags get no JSON-safe mask (the free text around them may hold any byte); the
+    schema inside them has its bounded strings as patterns, whose grammar refuses a raw tab."""
+    tokenizer, _ = chat
+    [tab] = tokenizer.encode("\t", add_special_tokens=False)
+    note = {"type": "object", "properties": {"note": {"type": "string", "maxLength": 30}}, "required": ["note"]}
+    tags = _tags("<note>", note, "</note>", "<note>")
+    matcher = engine.grammars.matcher(engine.grammars.compile(tags).result(), tags)
+    assert matcher.json_safe is None
+    assert matcher.xgrammar_matcher.accept_string('Here: <note>{"note": "a')
+    assert not matcher.accept(tab)
 
 
 def test_a_structural_tag_masks_only_between_its_begin_and_end(engine, chat):

@@ -60,3 +60,16 @@ def test_the_guided_benchmark_holds_requests_to_its_schema_on_both_routes(server
         free, guided = json.loads((tmp_path / f"{route}.json").read_text())["results"]
         assert "guided" in guided["name"] and "free" in free["name"]
         assert 0 < guided["output_tokens"] < 3 * 400 and free["output_tokens"] == guided["output_tokens"], (free, guided)
+
+
+def test_lengths_come_back_in_request_order_from_several_client_processes(server):
+    """Split over client processes (request i to process i mod P), a run's per-request lengths
+    still come back in request order: the guided benchmark's free run gives each request the
+    length of the guided answer to the same request."""
+    from dataclasses import replace
+
+    from tools.bench.serve_runner import run_load
+
+    workload = replace(synthetic(6, "8", 4, 49152, seed=5, ignore_eos=True, concurrency=2),
+                       output_lens=[1, 6, 2, 5, 3, 4])
+    assert run_load(server, "triton", "smollm2", workload, "order", processes=2).output_lens == [1, 6, 2, 5, 3, 4]

@@ -21,6 +21,7 @@ no stages; a run reports how many do.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import multiprocessing
 import queue
@@ -37,7 +38,7 @@ from tools.bench.workload import Workload
 def _request(route: str, model: str, prompt: list[int], max_tokens: int, wl: Workload) -> tuple[str, dict]:
     if route == "openai":
         guide = {"response_format": {"type": "json_schema", "json_schema": {
-            "name": "bench", "schema": json.loads(wl.guide)}}} if wl.guide else {}
+            "name": "bench", "schema": _schema(wl.guide)}}} if wl.guide else {}
         return "/v1/completions", {"model": model, "prompt": prompt, "max_tokens": max_tokens,
                                    "temperature": wl.temperature, "top_p": wl.top_p,
                                    "ignore_eos": wl.ignore_eos, "stream": True, **guide}
@@ -46,6 +47,11 @@ def _request(route: str, model: str, prompt: list[int], max_tokens: int, wl: Wor
         "input_ids": prompt, "request_output_len": max_tokens, "exclude_input_in_output": True,
         "temperature": wl.temperature, "runtime_top_p": wl.top_p, "ignore_eos": wl.ignore_eos, "stream": True,
         "return_perf_metrics": True, **guide}
+
+
+@functools.lru_cache(maxsize=4)
+def _schema(text: str) -> dict:
+    return json.loads(text)
 
 
 def _tokens_in(event: dict, route: str) -> int:
@@ -110,7 +116,7 @@ def run_load(url: str, route: str, model: str, wl: Workload, name: str, processe
     ctx = multiprocessing.get_context("spawn")  # no fork of a parent that may hold CUDA or threads
     barrier, results = ctx.Barrier(processes), ctx.Queue()
     workers = [ctx.Process(target=_client_process, args=(url, route, model, _slice(wl, k, processes), name,
-                                                         barrier, results), daemon=True)
+                                                         barrier, results, k), daemon=True)
                for k in range(processes)]
     for w in workers:
         w.start()
@@ -127,11 +133,13 @@ def run_load(url: str, route: str, model: str, wl: Workload, name: str, processe
     failed = [p for p in parts if isinstance(p, str)]
     if failed:
         raise RuntimeError(f"a client process failed: {failed[0]}")
-    timings = [t for _, _, ts in parts for t in ts]
-    result = summarize(name, max(e for _, e, _ in parts) - min(s for s, _, _ in parts), timings,
+    timings = [None] * wl.num_requests  # request order: process k ran requests k, k + processes, ...
+    for k, _, _, ts in parts:
+        timings[k::processes] = ts
+    result = summarize(name, max(e for _, _, e, _ in parts) - min(s for _, s, _, _ in parts), timings,
                        sum(map(len, wl.prompts)))
     result.extra = {"client_processes": processes}
-    result.output_lens = [t.output_tokens for t in timings]  # in no particular order: the lengths' spread
+    result.output_lens = [t.output_tokens for t in timings]
     return result
 
 
@@ -144,9 +152,9 @@ def _slice(wl: Workload, k: int, processes: int) -> Workload:
                    concurrency=wl.concurrency // processes + (k < wl.concurrency % processes))
 
 
-def _client_process(url, route, model, wl, name, barrier, results) -> None:
+def _client_process(url, route, model, wl, name, barrier, results, k) -> None:
     try:
-        results.put(asyncio.run(_timed(url, route, model, wl, name, barrier)))
+        results.put((k, *asyncio.run(_timed(url, route, model, wl, name, barrier))))
     except BaseException as exc:  # the parent waits for one item per process
         results.put(f"{type(exc).__name__}: {exc}")
 

@@ -16,9 +16,11 @@ computes.
 """
 from __future__ import annotations
 
+import functools
 import json
 import re
 import threading
+from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -32,6 +34,7 @@ KINDS = ("json", "json_schema", "regex", "ebnf", "structural_tag")
 CACHE_BYTES = 256 << 20  # compiled grammars kept (xgrammar evicts the least recently used)
 COMPILE_TIMEOUT_S = 10.0  # from arrival, queueing behind other compiles included
 MAX_QUEUED_COMPILES = 64  # past this, a guide that needs compiling is refused (503) at once
+RECENT_GUIDES = 16  # compiled guides kept at hand: a repeat is ready at once, with no hop to the compile thread
 # Bounded strings written as patterns (_bounded_strings_as_patterns): xgrammar 0.2.8 compiles a
 # JSON-schema pattern's repeat up to 128 only (past it the compile fails); a pattern's parse costs
 # about its bound squared (4.5 ms at 128), so a schema's patterns stop at PATTERN_CHARS in all.
@@ -65,6 +68,7 @@ class GrammarCompiler:
         self._lock = threading.Lock()
         self.timeout_s = COMPILE_TIMEOUT_S
         self._queued = 0  # submitted, not yet done
+        self._recent: OrderedDict[tuple[str, str], Future] = OrderedDict()  # (kind, spec): its compile, done
         # One thread: a slow guide delays other guided requests (each within its timeout), never the loop.
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-compile")
 
@@ -102,23 +106,35 @@ class GrammarCompiler:
             return xgrammar.Grammar.from_ebnf(guide.spec)
 
     def compile(self, guide: Guide) -> Future:
-        """Check the guide now, compile it on the compile thread: a future of its compiled grammar."""
+        """Check the guide now, compile it on the compile thread: a future of its compiled grammar.
+        A guide compiled lately comes back done: its request joins the next step, where a hop to
+        the compile thread (which needs the GIL the engine's thread holds) could cost it one."""
+        key = (guide.kind, guide.spec)
+        with self._lock:
+            if (ready := self._recent.get(key)) is not None:
+                self._recent.move_to_end(key)
+                return ready
         grammar = self.check(guide)
         with self._lock:
             if self._queued >= MAX_QUEUED_COMPILES:
                 raise InvalidRequestError(guide.field, "the guide compiler is busy; retry", status=503)
             self._queued += 1
         future = self._pool.submit(self._compile, guide, grammar)
-        future.add_done_callback(self._done)
+        future.add_done_callback(functools.partial(self._done, key))
         return future
 
     def shutdown(self) -> None:
         """Queued compiles are dropped; one running finishes on its own (xgrammar cannot be stopped)."""
         self._pool.shutdown(wait=False, cancel_futures=True)
 
-    def _done(self, _future: Future) -> None:
+    def _done(self, key: tuple[str, str], future: Future) -> None:
         with self._lock:
             self._queued -= 1
+            if not future.cancelled() and future.exception() is None:
+                self._recent[key] = future
+                self._recent.move_to_end(key)
+                if len(self._recent) > RECENT_GUIDES:
+                    self._recent.popitem(last=False)
 
     def _compile(self, guide: Guide, grammar):
         """On the compile thread: JSON schemas with their bounded strings as patterns (whose parse

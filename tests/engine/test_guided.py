@@ -285,6 +285,27 @@ def test_a_slow_compile_never_holds_up_the_engine(engine, monkeypatch):
     assert failed["queued"].message == "the guide compiler is busy; retry" and failed["queued"].status == 503
 
 
+def test_a_guide_compiled_lately_is_ready_at_once(engine, monkeypatch):
+    """A repeat of a guide compiled lately comes back compiled, whatever field it came from, without
+    the compile thread (held here): its request joins the next step. A new guide still waits for
+    the thread."""
+    import threading
+    import time
+
+    engine.grammars.compile(Guide("regex", "[a-c]{1,7}", "guided_regex")).result()
+    release = threading.Event()
+    compile_now = engine.grammars._compile
+    monkeypatch.setattr(engine.grammars, "_compile", lambda *a: release.wait(30) and compile_now(*a))
+    try:
+        deadline = time.monotonic() + 5  # the first compile's future is kept once its callbacks have run
+        while not engine.grammars.compile(Guide("regex", "[a-c]{1,7}", "response_format")).done():
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert not engine.grammars.compile(Guide("regex", "[a-c]{1,6}")).done()
+    finally:
+        release.set()
+
+
 def test_a_complete_guide_ends_its_output_under_ignore_eos_and_spares_its_batch(engine, chat):
     """ignore_eos lets the end id through, and the grammar ends with it: the output stops there
     (asking the finished grammar for a mask raised, failing every request of the step)."""

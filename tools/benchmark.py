@@ -101,7 +101,7 @@ GUIDED_SCHEMA = {"type": "object", "properties": {
 
 def _guided_run(engine: LLMEngine, wl, seed: int, run=run_engine) -> list:
     """The guided pair (_guided_pair) on the engine, with the schema's compile time cold (first
-    sight) and cached (xgrammar's cache) in the guided result. `run`: how each run is run
+    sight) and cached (a repeat) in the guided result. `run`: how each run is run
     (run_engine's arguments; tools/bench/step_phases.py times the engine's phases around it)."""
     guide = Guide("json_schema", json.dumps(GUIDED_SCHEMA), "bench")
     compiled = []

@@ -97,17 +97,18 @@ GUIDED_SCHEMA = {"type": "object", "properties": {
     "title": {"type": "string", "maxLength": 60}, "year": {"type": "integer"},
     "tags": {"type": "array", "items": {"type": "string", "maxLength": 24}, "maxItems": 12},
     "rating": {"enum": ["low", "medium", "high"]}}, "required": ["title", "year", "tags", "rating"]}
+GUIDED_SPEC = json.dumps(GUIDED_SCHEMA)  # as a workload's requests carry it
+GUIDED_GUIDE = Guide("json_schema", GUIDED_SPEC, "bench")  # as the engine takes it
 
 
 def _guided_run(engine: LLMEngine, wl, seed: int, run=run_engine) -> list:
     """The guided pair (_guided_pair) on the engine, with the schema's compile time cold (first
     sight) and cached (a repeat) in the guided result. `run`: how each run is run
     (run_engine's arguments; tools/bench/step_phases.py times the engine's phases around it)."""
-    guide = Guide("json_schema", json.dumps(GUIDED_SCHEMA), "bench")
     compiled = []
     for _ in range(2):
         start = time.perf_counter()
-        engine.grammars.compile(guide).result()
+        engine.grammars.compile(GUIDED_GUIDE).result()
         compiled.append((time.perf_counter() - start) * 1e3)
     free, guided = _guided_pair(lambda w, name: run(engine, w, name), wl, engine.limits.vocab_size, seed, "ours")
     guided.extra = {**(guided.extra or {}), "compile_cold_ms": compiled[0], "compile_cached_ms": compiled[1]}
@@ -120,7 +121,7 @@ def _guided_pair(run, wl, vocab: int, seed: int, label: str) -> list:
     request as long as a guided answer was (an answer ends with its object, so the guided run has
     more, shorter requests: its baseline is the free run of the same lengths). Each run has prompts
     of its own, of the same lengths, that no earlier run cached. [free, guided]."""
-    guided = run(replace(fresh_prompts(wl, vocab, run_seed(seed, label, "guided")), guide=json.dumps(GUIDED_SCHEMA)),
+    guided = run(replace(fresh_prompts(wl, vocab, run_seed(seed, label, "guided")), guide=GUIDED_SPEC),
                  f"{label}, JSON schema guided")
     free = run(replace(fresh_prompts(wl, vocab, run_seed(seed, label, "free")), output_lens=guided.output_lens,
                        ignore_eos=True), f"{label}, free, the guided lengths")
@@ -188,8 +189,8 @@ def serve_command(args) -> dict:
         for adapter in names:
             engine.add_lora(adapter, config.lora_adapters[adapter])
         # The warm-up compiles the schema too: its cold compile (seconds) is not a level's to carry.
-        engine.generate([[100] * 16], SamplingParams(max_tokens=4, temperature=0.0, guide=Guide(
-            "json_schema", json.dumps(GUIDED_SCHEMA), "bench") if args.guided else None))
+        engine.generate([[100] * 16], SamplingParams(max_tokens=4, temperature=0.0,
+                                                     guide=GUIDED_GUIDE if args.guided else None))
         for c, wl in workloads.items():
             if args.guided:
                 results += _guided_pair(lambda w, name: run_engine(engine, w, name), wl, vocab, args.seed, f"engine c={c}")
@@ -204,7 +205,7 @@ def serve_command(args) -> dict:
         url = args.url or _start_server(args.config, args.port)
         name = config.name
         warmup = replace(synthetic(args.warmup, "8", 4, vocab, 99, True, args.warmup),
-                         guide=json.dumps(GUIDED_SCHEMA) if args.guided else None)
+                         guide=GUIDED_SPEC if args.guided else None)
         for c, wl in workloads.items():
             for p in dict.fromkeys(min(p, c) for p in args.client_processes):  # as given; at most one a stream
                 asyncio.run(run_http(url, args.route, name, warmup, "warm-up"))

@@ -1,6 +1,8 @@
 """Shared fixtures: a small random Llama and the embedded SmolLM2, with transformers references."""
 from __future__ import annotations
 
+import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -10,6 +12,23 @@ from app.engine import EngineConfig, LLMEngine, SamplingParams
 from app.engine.model_loader import resolve_model_dir
 
 torch.set_num_threads(2)
+_EXIT_STATUS = pytest.StashKey[int]()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    session.config.stash[_EXIT_STATUS] = int(exitstatus)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config):
+    """Leave without the interpreter's teardown, once the report is out. The suite starts and stops
+    Ray four times in this process; Ray keeps native and daemon threads past ray.shutdown() (Serve's
+    router loop is still polling here at the end; ray-project/ray#31145: not safe to restart in one
+    process), and tearing the interpreter down under them killed CI's process with a segmentation
+    fault after every test had passed (twice, with no Python frame even under the fault handler)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(config.stash.get(_EXIT_STATUS, 1))
 
 
 @pytest.fixture(scope="session")

@@ -140,18 +140,21 @@ class BlockManager:
                 self.cached[h] = block
                 self.hash_of[block] = h
 
+    def fork_needs_block(self, parent: Sequence) -> bool:
+        return parent.num_computed_tokens % self.block_size != 0
+
     def fork(self, parent: Sequence, child: Sequence) -> tuple[int, int] | None:
-        """Give child the parent's blocks: full ones shared, the partial last one copied.
-        Returns (src, dst) for the KV copy the model runner must do, or None."""
+        """Give child the parent's blocks: full ones shared, the partial last one copied (into a
+        free block the caller made sure of). Returns (src, dst) for the KV copy the model runner
+        must do, or None."""
         n_full = parent.num_computed_tokens // self.block_size
+        copy = None
+        if self.fork_needs_block(parent):
+            copy = parent.block_table[n_full], self._allocate_fresh()
+            child.new_blocks += 1
+            self.new_blocks_total += 1
         shared = parent.block_table[:n_full]
         for block in shared:
             self.ref_counts[block] += 1
-        child.block_table = list(shared)
-        if parent.num_computed_tokens % self.block_size:
-            dst = self._allocate_fresh()
-            child.block_table.append(dst)
-            child.new_blocks += 1
-            self.new_blocks_total += 1
-            return parent.block_table[n_full], dst
-        return None
+        child.block_table = list(shared) + ([copy[1]] if copy else [])
+        return copy

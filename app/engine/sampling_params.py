@@ -12,6 +12,8 @@ from app.engine.guided import Guide
 MIN_SAMPLING_TEMPERATURE = 1e-5
 SEED_LIMIT = 1 << 64  # torch generators take unsigned 64-bit seeds
 MAX_GUIDE_CHARS = 1 << 16  # a schema, regex or grammar; compiling one holds up the engine's loop
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
+MAX_LENGTH_PENALTY = 10.0
 MAX_LOGIT_BIAS = 300  # logit_bias entries per request (OpenAI's limit)
 LOGIT_BIAS_RANGE = 100.0  # each bias lies in [-100, 100] (OpenAI's range)
 
@@ -84,6 +86,7 @@ class RequestLimits:
     max_num_tokens: int
     chunked_prefill: bool
     max_cache_tokens: int
+    tokens_per_block: int
     max_input_len: int | None  # operator caps from the config (None: only the model's limits)
     max_output_len: int | None
     max_return_sequences: int
@@ -98,7 +101,8 @@ def request_limits(config: EngineConfig, vocab_size: int, max_seq_len: int, max_
     return RequestLimits(
         vocab_size=vocab_size, max_seq_len=max_seq_len, max_beam_width=config.max_beam_width,
         max_num_tokens=config.max_num_tokens, chunked_prefill=config.enable_chunked_prefill,
-        max_cache_tokens=max_cache_tokens, max_input_len=config.max_input_len, max_output_len=config.max_output_len,
+        max_cache_tokens=max_cache_tokens, tokens_per_block=config.kv_cache_config.tokens_per_block,
+        max_input_len=config.max_input_len, max_output_len=config.max_output_len,
         max_return_sequences=config.max_return_sequences, max_stop_words=config.max_stop_words,
         max_stop_word_len=config.max_stop_word_len, max_logprobs=config.max_logprobs,
         max_logits_floats=config.max_logits_floats)
@@ -131,10 +135,14 @@ def validate_request(prompt_token_ids: list[int], p: SamplingParams, limits: Req
     if limits.max_input_len is not None:
         _check(n_prompt <= limits.max_input_len, "prompt",
                f"{n_prompt} tokens exceed this server's max_input_len of {limits.max_input_len}")
+    # Every beam holds its own blocks (the prompt's full ones are shared, at most): a search whose
+    # beams cannot all fit the pool would wait at the head of the queue forever.
+    beams, block = max(1, p.beam_width), limits.tokens_per_block
+    cache, per = limits.max_cache_tokens // block // beams * block, " per beam" if beams > 1 else ""
     if p.max_tokens is None:
-        room = min(limits.max_seq_len, limits.max_cache_tokens) - n_prompt
+        room = min(limits.max_seq_len, cache) - n_prompt
         _check(room >= 1, "prompt", f"{n_prompt} tokens leave no room for output in the KV cache of "
-                                    f"{limits.max_cache_tokens} tokens")
+                                    f"{cache} tokens{per}")
         p = replace(p, max_tokens=min(room, limits.max_output_len or room))
     _check(p.max_tokens >= 1, "max_tokens", "must be at least 1")
     if limits.max_output_len is not None:
@@ -142,8 +150,8 @@ def validate_request(prompt_token_ids: list[int], p: SamplingParams, limits: Req
                f"{p.max_tokens} exceeds this server's max_output_len of {limits.max_output_len}")
     _check(n_prompt + p.max_tokens <= limits.max_seq_len, "max_tokens",
            f"prompt ({n_prompt}) + max_tokens ({p.max_tokens}) exceeds max_seq_len {limits.max_seq_len}")
-    _check(n_prompt + p.max_tokens <= limits.max_cache_tokens, "max_tokens",
-           f"prompt ({n_prompt}) + max_tokens ({p.max_tokens}) exceeds the KV cache of {limits.max_cache_tokens} tokens")
+    _check(n_prompt + p.max_tokens <= cache, "max_tokens",
+           f"prompt ({n_prompt}) + max_tokens ({p.max_tokens}) exceeds the KV cache of {cache} tokens{per}")
     if not limits.chunked_prefill:
         _check(n_prompt <= limits.max_num_tokens, "prompt",
                f"{n_prompt} tokens exceed max_num_tokens {limits.max_num_tokens} (chunked prefill is off)")
@@ -154,7 +162,12 @@ def validate_request(prompt_token_ids: list[int], p: SamplingParams, limits: Req
     _check(0 <= p.top_k <= limits.vocab_size, "top_k", f"must be in [0, {limits.vocab_size}] (the vocabulary)")
     _check(0.0 < p.top_p <= 1.0, "top_p", "must be in (0, 1]")
     _check(0.0 <= p.min_p <= 1.0, "min_p", "must be in [0, 1]")
-    _check(p.repetition_penalty > 0.0, "repetition_penalty", "must be > 0")
+    # Bounded where the logits they scale stay finite: 1e-300 turned every logit seen into inf, and
+    # gen_len ** 1e4 overflowed a beam search's score and failed its whole step.
+    _check(MIN_REPETITION_PENALTY <= p.repetition_penalty <= MAX_REPETITION_PENALTY, "repetition_penalty",
+           f"must be in [{MIN_REPETITION_PENALTY}, {MAX_REPETITION_PENALTY}]")
+    _check(abs(p.length_penalty) <= MAX_LENGTH_PENALTY, "length_penalty",
+           f"must be in [-{MAX_LENGTH_PENALTY}, {MAX_LENGTH_PENALTY}]")
     _check(-2.0 <= p.presence_penalty <= 2.0, "presence_penalty", "must be in [-2, 2]")
     _check(-2.0 <= p.frequency_penalty <= 2.0, "frequency_penalty", "must be in [-2, 2]")
     _check(0 <= p.min_tokens <= p.max_tokens, "min_tokens", f"must be in [0, max_tokens={p.max_tokens}]")

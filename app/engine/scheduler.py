@@ -198,10 +198,15 @@ class Scheduler:
         """The chosen continuations run on: a beam chosen twice forks (the child shares its
         blocks), one not chosen leaves with its blocks; a search that is done leaves whole."""
         chosen = group.select(candidates)
+        parents = {c.parent for c in chosen}
+        for seq in group.running:  # first: the forks below take the blocks these give back
+            if seq not in parents:
+                self.remove(seq)
         kept, beams = set(), []
         for c in chosen:  # fork before any token is appended: children copy the parent as it was
             if c.parent in kept:
                 child = c.parent.fork(next(self.seq_ids))
+                self._make_room_to_fork(c.parent)
                 copy = self.blocks.fork(c.parent, child)
                 if copy:
                     self.pending_copies.append(copy)
@@ -211,13 +216,20 @@ class Scheduler:
             else:
                 kept.add(c.parent)
                 beams.append(c.parent)
-        for seq in group.running:
-            if seq not in kept:
-                self.remove(seq)
         for seq, c in zip(beams, chosen):
             seq.append_token(c.token_id, c.logprob)
         group.running = beams
         group.scores = [c.score for c in chosen]
+
+    def _make_room_to_fork(self, parent: Sequence) -> None:
+        """A fork copies the parent's partial last block into a fresh one. The group's reservation
+        holds it from other admissions, but under MAX_UTILIZATION a running sequence's growth may
+        have taken it: preempt as that growth would."""
+        while self.blocks.fork_needs_block(parent) and not self.blocks.num_free_blocks:
+            victim = self._pick_victim()
+            if victim is None:  # every running sequence is a beam, each group within its reservation
+                raise RuntimeError("no free KV block for a beam search fork")
+            self._preempt(victim, SchedulerOutput())
 
     def _tokens_for(self, seq: Sequence, budget: int) -> int:
         remaining = seq.num_tokens - seq.num_computed_tokens
@@ -402,6 +414,6 @@ class Scheduler:
                 reserved += max(0, self.blocks.blocks_for(seq.max_total_tokens) - len(seq.block_table))
             elif id(group) not in seen_groups:
                 seen_groups.add(id(group))
-                held = sum(len(s.block_table) for s in group.running)
+                held = len({block for s in group.running for block in s.block_table})  # forks share blocks
                 reserved += max(0, group.width * self.blocks.blocks_for(seq.max_total_tokens) - held)
         return reserved

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from app.engine import InvalidRequestError, SamplingParams
+from app.engine.llm_engine import merge_outputs
 from tests.conftest import hf_greedy, make_engine, random_prompts
 
 PROMPT = random_prompts(1, 20, 20, vocab=256, seed=3)[0]
@@ -192,6 +193,43 @@ def test_beam_search_with_end_of_sequence(smollm2_dir, smollm2_hf, smollm2_token
     assert out.outputs[0].finish_reason == "stop"
 
 
+@pytest.mark.parametrize("policy, plain_len", [("GUARANTEED_NO_EVICT", 40), ("MAX_UTILIZATION", 56)])
+def test_beams_fork_in_a_full_pool_beside_other_requests(tiny_llama_dir, policy, plain_len):
+    """A pool of 8 blocks that a plain request fills beside the beams' 2: a beam forks only once the beams it
+    dropped gave their blocks back (a fork first, with every free block taken, failed the step and
+    every request in it; three in a row killed the engine), and under MAX_UTILIZATION a fork
+    preempts as growth does. The beams are those of an engine with room to spare."""
+    beam = SamplingParams(max_tokens=4, beam_width=2, n=2, temperature=0.0)
+    plain = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    roomy = make_engine(tiny_llama_dir)
+    want = {"beam": roomy.generate([[5, 6, 7, 8]], beam)[0],
+            "plain": roomy.generate([list(range(2, 2 + plain_len))], plain)[0]}
+    engine = make_engine(tiny_llama_dir, max_tokens=64, tokens_per_block=8, scheduler_policy=policy)
+    for round_ in range(3):
+        engine.add_request("beam", [5, 6, 7, 8], beam)
+        engine.add_request("plain", list(range(2, 2 + plain_len)), plain)
+        got = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                assert out.error is None
+                got[out.request_id] = merge_outputs(got.get(out.request_id), out)
+        for rid, reference in want.items():
+            assert [c.token_ids for c in got[rid].outputs] == [c.token_ids for c in reference.outputs], (round_, rid)
+        assert engine.stats().used_blocks == 0
+
+
+def test_beams_that_cannot_all_fit_the_pool_are_refused(tiny_llama_dir):
+    """Each beam holds its own blocks: a search whose beams could never fit together waited at the
+    head of the queue forever, and every request behind it with it. Without max_tokens, the
+    default is what the pool holds per beam."""
+    engine = make_engine(tiny_llama_dir, max_tokens=64, tokens_per_block=8)
+    with pytest.raises(InvalidRequestError, match="max_tokens: .*exceeds the KV cache of 32 tokens per beam"):
+        engine.add_request("wide", [5, 6, 7, 8], SamplingParams(max_tokens=40, beam_width=2))
+    out = engine.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=None, beam_width=2, n=2, ignore_eos=True))[0]
+    assert [len(c.token_ids) for c in out.outputs] == [28, 28]
+    assert engine.generate([[5, 6]], SamplingParams(max_tokens=4, temperature=0.0))[0].finished
+
+
 def test_abort_frees_blocks_at_once(engine):
     engine.add_request("long", PROMPT, SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True))
     for _ in range(5):
@@ -246,6 +284,10 @@ def test_perf_metrics_are_ordered(engine):
     ("n", {"n": 10_000}, PROMPT),
     ("temperature", {"temperature": float("inf")}, PROMPT),
     ("length_penalty", {"length_penalty": float("nan")}, PROMPT),
+    ("length_penalty", {"length_penalty": 2000.0, "beam_width": 2}, PROMPT),  # overflowed: the step failed
+    ("length_penalty", {"length_penalty": -2000.0, "beam_width": 2}, PROMPT),  # divided by zero
+    ("repetition_penalty", {"repetition_penalty": 1e-300}, PROMPT),  # logits seen turned inf: NaN draws
+    ("repetition_penalty", {"repetition_penalty": 1e300}, PROMPT),
     ("stop_token_ids", {"stop_token_ids": [[5]] * 65}, PROMPT),
     ("bad_token_ids", {"bad_token_ids": [[5] * 257]}, PROMPT),
     ("top_logprobs", {"top_logprobs": 21}, PROMPT),

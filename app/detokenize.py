@@ -1,0 +1,74 @@
+"""The detokenizer stage's logic: one request's engine outputs (token deltas) to text chunks, with
+stop strings applied and each output's tokens spelled out where logprobs were asked for."""
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+
+from app.engine.outputs import RequestOutput
+from app.protocol.messages import PromptText, TextChunk, TextOutput, TokenizedJob, TokenText
+from app.text import IncrementalDetokenizer, Tokenizer
+
+
+def token_texts(tokenizer: Tokenizer, token_ids: list[int], top_logprobs: list | None,
+                offset: int) -> tuple[list[TokenText], int]:
+    """Each token decoded on its own (Tokenizer.token_piece), with its alternatives if asked
+    (`top_logprobs`, aligned with the tokens; None where there are none); `offset` is where the
+    first starts, and the offset after the last comes back."""
+    tokens = []
+    for i, token_id in enumerate(token_ids):
+        text, raw = tokenizer.token_piece(token_id)
+        ids, values = (top_logprobs and top_logprobs[i]) or ((), ())
+        top = [(*tokenizer.token_piece(t), value) for t, value in zip(ids, values)]
+        tokens.append(TokenText(text, raw, offset, top))
+        offset += len(text)
+    return tokens, offset
+
+
+def _prompt(tokenizer: Tokenizer, job: TokenizedJob, out: RequestOutput) -> PromptText:
+    """The prompt to echo, and its tokens and logprobs where the engine computed them (they come
+    with its first output)."""
+    if out.prompt_logprobs is None:
+        return PromptText(job.echo)
+    tokens, _ = token_texts(tokenizer, job.prompt_token_ids, out.prompt_top_logprobs, 0)
+    return PromptText(job.echo, tokens, out.prompt_logprobs)
+
+
+async def text_chunks(tokenizer: Tokenizer, job: TokenizedJob,
+                      outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[TextChunk]:
+    """A chunk per engine output. Once every output the request asked for has hit a stop string,
+    the last chunk is finished and `outputs` is closed: upstream, that cancels the engine's request."""
+    detoks: dict[int, IncrementalDetokenizer] = {}
+    offsets: dict[int, int] = {}  # characters of each output's token texts so far
+    echoed = False
+    async with aclosing(outputs):
+        async for out in outputs:
+            chunk = TextChunk([], out.finished, len(job.prompt_token_ids), out.metrics,
+                              context_logits=out.context_logits)
+            if job.echo is not None and not echoed:
+                chunk.prompt, echoed = _prompt(tokenizer, job, out), True
+            for c in out.outputs:
+                detok = detoks.setdefault(c.index, IncrementalDetokenizer(tokenizer, job.stop))
+                if detok.stopped is not None:
+                    continue  # already ended by a stop string; the engine may still be producing
+                text = detok.push(c.token_ids)
+                finish, reason = c.finish_reason, c.stop_reason
+                if detok.stopped is not None:
+                    finish, reason = "stop", detok.stopped
+                if finish is not None:
+                    text += detok.finish(reason if isinstance(reason, list) else None)
+                    if detok.stopped is not None:
+                        finish, reason = "stop", detok.stopped
+                tokens = None
+                if c.logprobs is not None:
+                    tokens, offsets[c.index] = token_texts(tokenizer, c.token_ids, c.top_logprobs,
+                                                           offsets.get(c.index, 0))
+                chunk.outputs.append(TextOutput(c.index, text, c.token_ids, c.logprobs, c.cumulative_logprob,
+                                                finish, reason, tokens, c.generation_logits))
+            # Every output the request asked for, not only those seen so far: a sibling may not have
+            # sent its first tokens yet (admitted later, or holding back a possible stop prefix).
+            chunk.finished = chunk.finished or (len(detoks) == job.params.n
+                                                and all(d.stopped is not None for d in detoks.values()))
+            yield chunk
+            if chunk.finished:
+                return

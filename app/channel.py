@@ -248,6 +248,8 @@ class _Connection:
         try:
             while True:
                 await self.wake.wait()
+                if self.closed:  # close() wakes this writer to end it
+                    return
                 delay = self.last_write + self.interval() - time.monotonic()
                 if delay > 0 and not self.urgent.is_set():
                     try:  # more items merge meanwhile; a first or last item cuts the wait short
@@ -267,6 +269,11 @@ class _Connection:
                         future.set_result(None)
         except (ConnectionError, OSError) as exc:
             self.close(exc)
+        except Exception as exc:  # noqa: BLE001 - e.g. an item that does not pickle
+            # Every stream on this connection waits on this writer: end them with the reason rather
+            # than leave them hanging; the next stream connects again.
+            logger.exception("the writer of a data connection failed; closing it")
+            self.close(exc)
 
     async def watch(self, reader: asyncio.StreamReader) -> None:
         """The consumer never writes: end of file here means it closed or died."""
@@ -282,6 +289,7 @@ class _Connection:
         self.closed = True
         self.on_close()
         self.writer.close()
+        self.wake.set()  # the writer task ends
         for future in self.flushed.values():
             if not future.done():
                 future.set_exception(ChannelError(str(reason)))

@@ -151,6 +151,43 @@ def test_a_dead_consumer_cancels_what_is_produced_for_it():
     assert log == ["closed"] and task.cancelled()
 
 
+def test_a_dead_consumer_leaves_no_writer_behind():
+    """Once the consumer's end closes, the connection's writer task ends too (it waited for items
+    forever, holding the connection, once per replaced consumer replica)."""
+    async def main():
+        inbound, outbound, calls, start = _plane(100_000, 0.002)
+        receiving = inbound.receive(start)
+        await anext(receiving)
+        connection = await next(iter(outbound.connections.values()))
+        inbound._server.close()
+        connection.writer.transport.abort()
+        await asyncio.sleep(0.3)
+        return connection.closed, [task for task in outbound._tasks if not task.done()]
+
+    closed, running = run(main())
+    assert closed and running == []
+
+
+def test_an_item_that_cannot_be_written_fails_its_connection_not_hangs():
+    """A frame that does not pickle killed the writer and nothing else: every stream on the
+    connection, and each later one, waited forever. Now they fail, and the next connects again."""
+    async def main():
+        inbound, outbound = Inbound("127.0.0.1", merge), Outbound(merge, max_interval_ms=0)
+
+        async def items(bad: bool):
+            yield Delta([1])
+            yield Delta([lambda: 0] if bad else [2], True)
+
+        async def collect(bad: bool):
+            return [d async for d in inbound.receive(lambda to: Call(outbound.stream(to, items(bad))))]
+
+        with pytest.raises(ChannelError):
+            await collect(True)
+        return await collect(False)
+
+    assert run(main()) == [Delta([1, 2], True)]
+
+
 def test_a_call_that_returns_without_its_final_item_fails_the_stream(monkeypatch):
     monkeypatch.setattr("app.channel.GRACE_S", 0.2)
 

@@ -13,7 +13,7 @@ from app.engine.errors import InvalidRequestError
 from app.engine.guided import Guide
 from app.engine.sampling_params import SamplingParams
 from app.protocol import tools
-from app.protocol.body import parse_body
+from app.protocol.body import TokenId, parse_body
 from app.protocol.messages import GenerationJob, PromptText, TextChunk, TextOutput
 
 
@@ -76,11 +76,22 @@ class _Request(BaseModel):
 
 
 class CompletionRequest(_Request):
-    prompt: str | list[int] | list[str]
+    prompt: str | list[TokenId] | list[str]
     max_tokens: int | None = Field(None, ge=0)  # 0 with echo: the prompt alone (vLLM's extension)
     logprobs: int | None = Field(None, ge=0, le=5)  # the likeliest tokens per position, beside the chosen one
     echo: bool = False  # the prompt before the completion, and with logprobs its tokens' logprobs too
     best_of: int | None = Field(None, ge=1)  # generated server-side; the n likeliest are returned
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _token_ids(cls, v):
+        """A list that is not of strings is of token ids: said so by position (the union's own
+        error named its first member: "prompt.str: Input should be a valid string")."""
+        if isinstance(v, list) and v and not isinstance(v[0], str):
+            for i, t in enumerate(v):
+                if type(t) is not int or not 0 <= t < 2 ** 31:
+                    raise ValueError(f"token ids are integers in [0, 2**31); item {i} is {t!r}")
+        return v
 
     @property
     def prompt_only(self) -> bool:
@@ -253,6 +264,11 @@ def _regex_literal(text: str) -> str:
 
 
 def _job(req: _Request, max_tokens_default: int | None, logprobs: bool, top_logprobs: int, **prompt) -> GenerationJob:
+    if req.max_tokens is not None and req.max_completion_tokens not in (None, req.max_tokens):
+        raise InvalidRequestError("max_completion_tokens", f"and max_tokens ({req.max_tokens}) disagree; "
+                                                           "send one (max_tokens is its older name)")
+    if req.stream_options is not None and not req.stream:
+        raise InvalidRequestError("stream_options", "is only allowed with stream: true")
     stop = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
     params = SamplingParams(
         max_tokens=req.max_completion_tokens or req.max_tokens or max_tokens_default, temperature=req.temperature,

@@ -21,12 +21,24 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from app.engine.errors import InvalidRequestError
 from app.engine.guided import Guide
 from app.engine.sampling_params import SamplingParams
+from app.protocol.body import TokenId
 from app.protocol.messages import AdapterRef, GenerationJob, TextChunk
 
 TEXT_MODELS = ("ensemble", "tensorrt_llm_bls")
 IDS_MODEL = "tensorrt_llm"
 MODEL_VERSION = "1"
 LOGITS_OUTPUTS = ("context_logits", "generation_logits")  # float32 numpy arrays in a response
+# TensorRT-LLM's perf metrics outputs -> RequestMetrics' fields
+PERF_OUTPUTS = {
+    "kv_cache_reused_block": "kv_cache_reused_blocks", "kv_cache_hit_rate": "kv_cache_hit_rate",
+    "kv_cache_alloc_new_blocks": "kv_cache_alloc_new_blocks", "kv_cache_alloc_total_blocks": "kv_cache_alloc_total_blocks",
+    "arrival_time_ns": "arrival_time_ns", "first_scheduled_time_ns": "first_scheduled_time_ns",
+    "first_token_time_ns": "first_token_time_ns", "last_token_time_ns": "last_token_time_ns",
+    "acceptance_rate": "acceptance_rate", "total_accepted_draft_tokens": "total_accepted_draft_tokens",
+    "total_draft_tokens": "total_draft_tokens"}
+# Every output a response may carry: what /infer's `outputs` may ask for
+OUTPUTS = ("text_output", "output_ids", "sequence_length", "cum_log_probs", "output_log_probs", "sequence_start",
+           "sequence_end", "sequence_id", "finish_reason", "stop_reason", *LOGITS_OUTPUTS, *PERF_OUTPUTS)
 
 # Alternative spellings used by the seeds' models -> our field name.
 ALIASES = {
@@ -57,8 +69,8 @@ class TritonGenerateRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     text_input: str | None = None
-    input_ids: list[int] | None = None
-    input_lengths: int | None = None
+    input_ids: list[TokenId] | None = None
+    input_lengths: int | None = Field(None, ge=1)  # ids past it are padding, as TensorRT-LLM reads them
     max_tokens: int | None = Field(None, ge=1)
     bad_words: list[str] | None = None
     stop_words: list[str] | None = None
@@ -98,7 +110,7 @@ class TritonGenerateRequest(BaseModel):
     @field_validator("bad_words", "stop_words", mode="before")
     @classmethod
     def _words(cls, v):
-        v = v[0] if isinstance(v, list) and v and isinstance(v[0], list) else v  # a batch of one
+        v = _batch_of_one(v)
         if v is None or v == "":
             return []
         return [v] if isinstance(v, str) else v
@@ -106,12 +118,21 @@ class TritonGenerateRequest(BaseModel):
     @field_validator("input_ids", mode="before")
     @classmethod
     def _ids(cls, v):
-        return v[0] if isinstance(v, list) and v and isinstance(v[0], list) else v
+        return _batch_of_one(v)
 
     @field_validator("stop_token_ids", "bad_token_ids", mode="before")
     @classmethod
     def _id_lists(cls, v):
         return [v] if isinstance(v, list) and v and isinstance(v[0], int) else v
+
+
+def _batch_of_one(value):
+    """[[...]] (a Triton batch of one) -> [...]; a batch of more is refused, never cut to its first row."""
+    if isinstance(value, list) and value and isinstance(value[0], list):
+        if len(value) > 1:
+            raise ValueError(f"is a batch of {len(value)}; send one request per call")
+        return value[0]
+    return value
 
 
 def _fields(model: str, body: Any, served_name: str) -> dict:
@@ -121,14 +142,19 @@ def _fields(model: str, body: Any, served_name: str) -> dict:
                                            f"'{served_name}', {', '.join(TEXT_MODELS)}, '{IDS_MODEL}'")
     if not isinstance(body, dict):
         raise InvalidRequestError("body", "must be a JSON object")
-    parameters = body.get("parameters") or {}
+    parameters = body.get("parameters")
+    parameters = {} if parameters is None else parameters
     if not isinstance(parameters, dict):
         raise InvalidRequestError("parameters", "must be a JSON object")
-    fields = {**parameters, **{k: v for k, v in body.items() if k != "parameters"}}
-    for key in list(fields):
-        if key in ALIASES:
-            fields.setdefault(ALIASES[key], fields[key])
-            del fields[key]
+    top = {k: v for k, v in body.items() if k != "parameters"}
+    fields: dict[str, Any] = {}
+    # One value per field: a field given twice (at the top and in parameters, or under two of its
+    # names) must say the same both times, or the request is refused naming it.
+    for key, value in [*parameters.items(), *top.items()]:
+        name = ALIASES.get(key, key)
+        if name in fields and fields[name] != value:
+            raise InvalidRequestError(key, f"is given twice, as '{name}' too, with different values")
+        fields[name] = value
     return {k: v if k in LIST_FIELDS else _one(v) for k, v in fields.items()}
 
 
@@ -163,6 +189,15 @@ def parse_generate(model: str, body: Any, served_name: str,
         raise InvalidRequestError("text_input", "is required (or input_ids for the tensorrt_llm model)")
     if req.input_ids is not None and model != IDS_MODEL:
         raise InvalidRequestError("input_ids", f"is only taken by the '{IDS_MODEL}' model")
+    if req.input_ids is not None and req.text_input is not None:
+        raise InvalidRequestError("text_input", "goes without input_ids: send the prompt one way")
+    if req.input_lengths is not None:
+        if req.input_ids is None:
+            raise InvalidRequestError("input_lengths", "goes with input_ids (how many of them are the prompt)")
+        if req.input_lengths > len(req.input_ids):
+            raise InvalidRequestError("input_lengths", f"{req.input_lengths} exceeds the {len(req.input_ids)} "
+                                                       "input_ids sent")
+        req.input_ids = req.input_ids[:req.input_lengths]
     # TensorRT-LLM's rule: a request that sets no sampling knob (top_k, top_p 0 or absent) decodes greedily.
     greedy = req.temperature == 0.0 or (not req.top_k and not req.top_p and req.temperature is None)
     n = req.num_return_sequences or _default_n(req)
@@ -199,6 +234,9 @@ def _guide(req: TritonGenerateRequest) -> Guide | None:
         return None
     if kind != "json" and not spec:
         raise InvalidRequestError("guided_decoding_guide", f"is required for guide type {kind}")
+    if kind == "json" and spec:  # TensorRT-LLM's json type is any JSON object: a schema would be dropped
+        raise InvalidRequestError("guided_decoding_guide", "is not taken with guide type json (any JSON "
+                                                           "object); for a schema, use guide type json_schema")
     return Guide({"ebnf_grammar": "ebnf"}.get(kind, kind), spec or "", "guided_decoding_guide")
 
 
@@ -247,14 +285,7 @@ def generate_response(model: str, req: TritonGenerateRequest, chunk: TextChunk, 
         out["generation_logits"] = [o.generation_logits if o.generation_logits is not None else []
                                     for o in chunk.outputs]
     if req.return_perf_metrics and chunk.metrics is not None:
-        m = chunk.metrics
-        out.update(kv_cache_reused_block=m.kv_cache_reused_blocks, kv_cache_hit_rate=m.kv_cache_hit_rate,
-                   kv_cache_alloc_new_blocks=m.kv_cache_alloc_new_blocks,
-                   kv_cache_alloc_total_blocks=m.kv_cache_alloc_total_blocks,
-                   arrival_time_ns=m.arrival_time_ns, first_scheduled_time_ns=m.first_scheduled_time_ns,
-                   first_token_time_ns=m.first_token_time_ns, last_token_time_ns=m.last_token_time_ns,
-                   acceptance_rate=m.acceptance_rate, total_accepted_draft_tokens=m.total_accepted_draft_tokens,
-                   total_draft_tokens=m.total_draft_tokens)
+        out.update({name: getattr(chunk.metrics, field) for name, field in PERF_OUTPUTS.items()})
     return out
 
 
@@ -355,6 +386,10 @@ def infer_to_generate_body(body: Any) -> tuple[dict, str | None, list[str] | Non
             raise InvalidRequestError(f"inputs.{i}.name", f"'{tensor.name}' is given twice")
         fields[tensor.name] = tensor.data if tensor.name in LIST_FIELDS else _one(tensor.data)
     wanted = [o.name for o in req.outputs] if req.outputs else None
+    for i, name in enumerate(wanted or ()):
+        if name not in OUTPUTS:  # Triton's answer to an output the model does not have
+            raise InvalidRequestError(f"outputs.{i}.name", f"'{name}' is not an output of this model; its outputs "
+                                                           f"are {', '.join(OUTPUTS)}")
     return fields, req.id, wanted
 
 

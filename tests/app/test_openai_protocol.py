@@ -34,7 +34,7 @@ def test_unsupported_fields_are_refused_by_name(field, value):
 
 def test_neutral_values_and_labels_pass():
     job, req = parse_completion({**BASE, "response_format": {"type": "text"}, "logit_bias": {}, "best_of": 1,
-                                 "tools": [], "user": "u-1", "stream_options": {"include_usage": True},
+                                 "tools": [], "user": "u-1", "stream": True, "stream_options": {"include_usage": True},
                                  "suffix": None}, 16)
     assert job.prompt == "Hi" and req.user == "u-1" and req.stream_options.include_usage
 

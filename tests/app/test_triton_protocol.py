@@ -7,7 +7,8 @@ import pytest
 
 from app.engine import InvalidRequestError
 from app.protocol.messages import TextChunk, TextOutput
-from app.protocol.triton import generate_response, parse_generate, parse_stop, to_json
+from app.engine.outputs import RequestMetrics
+from app.protocol.triton import OUTPUTS, generate_response, infer_to_generate_body, parse_generate, parse_stop, to_json
 
 
 def _parse(body, model="ensemble"):
@@ -47,11 +48,52 @@ def test_best_of_equal_to_what_is_returned_is_accepted():
     ({"input_ids": [1, 2]}, "input_ids"),
     ({"text_input": "hi", "best_of": 3}, "best_of"),  # generating 3 to return the likeliest 1 is not built
     ({"text_input": "hi", "best_of": 4, "num_return_sequences": 2}, "best_of"),
+    # Never silently ignored: a batch of more than one, a field given twice with two values, the
+    # prompt sent two ways, input_lengths without ids or past them, a schema under guide type json.
+    ({"text_input": "hi", "stop_words": [["a"], ["b"]]}, "stop_words"),
+    ({"text_input": "hi", "max_tokens": 5, "request_output_len": 100}, "request_output_len"),
+    ({"text_input": "hi", "max_tokens": 5, "parameters": {"max_tokens": 6}}, "max_tokens"),
+    ({"text_input": "hi", "parameters": False}, "parameters"),
+    ({"text_input": "hi", "parameters": []}, "parameters"),
+    ({"text_input": "hi", "input_lengths": 1}, "input_lengths"),
+    ({"text_input": "hi", "guided_decoding_guide_type": "json", "guided_decoding_guide": '{"type": "integer"}'},
+     "guided_decoding_guide"),
 ])
 def test_refusals_name_the_field(body, field):
     with pytest.raises(InvalidRequestError) as err:
         _parse(body)
     assert err.value.field == field
+
+
+@pytest.mark.parametrize("body, field", [
+    ({"input_ids": [[1, 2], [3, 4]]}, "input_ids"),
+    ({"input_ids": [1, 2], "text_input": "hi"}, "text_input"),
+    ({"input_ids": [1, 2, 3], "input_lengths": 4}, "input_lengths"),
+    ({"input_ids": [1, -1]}, "input_ids.1"),
+    ({"input_ids": [True, 2]}, "input_ids.0"),
+    ({"input_ids": [1.0, 2]}, "input_ids.0"),
+])
+def test_token_id_refusals_name_the_field(body, field):
+    with pytest.raises(InvalidRequestError) as err:
+        _parse(body, model="tensorrt_llm")
+    assert err.value.field == field
+
+
+def test_input_lengths_cut_the_padding_and_one_value_twice_is_one_value():
+    job, _ = _parse({"input_ids": [[1, 2, 3, 0, 0]], "input_lengths": [[3]], "max_tokens": 4,
+                     "parameters": {"request_output_len": 4}}, model="tensorrt_llm")
+    assert job.prompt_token_ids == [1, 2, 3] and job.params.max_tokens == 4
+
+
+def test_infer_refuses_an_output_the_model_does_not_have():
+    tensor = {"name": "text_input", "datatype": "BYTES", "shape": [1], "data": ["hi"]}
+    with pytest.raises(InvalidRequestError) as err:
+        infer_to_generate_body({"inputs": [tensor], "outputs": [{"name": "text_output"}, {"name": "txt_output"}]})
+    assert err.value.field == "outputs.1.name" and "txt_output" in str(err.value)
+    chunk = TextChunk([TextOutput(0, "x", [5], [-0.5], -0.5, "length", None)], True, 1, RequestMetrics(1, 2, 3, 4, 1, 1, 0, 1))
+    _, req = _parse({"input_ids": [1], "return_perf_metrics": True, "return_log_probs": True}, model="tensorrt_llm")
+    produced = generate_response("tensorrt_llm", req, chunk, "", [1], final=True)
+    assert set(produced) - {"model_name", "model_version"} <= set(OUTPUTS)
 
 
 def test_a_stop_request_names_its_id_and_the_rest_is_ignored():

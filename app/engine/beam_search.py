@@ -2,7 +2,7 @@
 
 The selection rule is transformers' (generation/utils.py, _beam_search): each step keeps the
 2 * width best (beam, token) continuations by cumulative log-prob; those among the first `width`
-that end (end id or max_tokens) enter the finished list with score / length ** length_penalty;
+that end (end id, a stop sequence's last token, or max_tokens) enter the finished list with score / length ** length_penalty;
 the best `width` that do not end run on. The search stops when no running beam can beat the
 worst of `width` finished ones (transformers' early_stopping=False heuristic).
 """
@@ -52,7 +52,8 @@ class BeamGroup:
         pool = pool[:2 * self.width]
         gen_len = self.running[0].num_output_tokens + 1
         p = self.running[0].params
-        ends = [(not p.ignore_eos and c[3] in c[2].eos_ids) or gen_len >= p.max_tokens for c in pool]
+        ends = [(not p.ignore_eos and c[3] in c[2].eos_ids) or _stop_ended(c[2], c[3]) is not None
+                or gen_len >= p.max_tokens for c in pool]
         if self.improvable:
             self._add_finished(pool, ends, gen_len, p.length_penalty)
         keep = sorted(range(len(pool)), key=lambda i: -(pool[i][0] + _DEAD * ends[i]))[:self.width]
@@ -68,9 +69,24 @@ class BeamGroup:
             if rank >= self.width or not end:
                 continue
             is_eos = token in seq.eos_ids and not seq.params.ignore_eos
-            tokens = seq.output_token_ids + ([] if is_eos else [token])
-            logprobs = seq.output_logprobs + ([] if is_eos else [logprob])
-            reason = FinishReason.STOP if is_eos else FinishReason.LENGTH
+            stop = _stop_ended(seq, token)
+            # As in plain decoding, the end id and a stop sequence are not part of the output.
+            cut = 1 if is_eos else len(stop) if stop is not None else 0
+            tokens = (seq.output_token_ids + [token])[:gen_len - cut]
+            logprobs = (seq.output_logprobs + [logprob])[:gen_len - cut]
+            reason = FinishReason.STOP if is_eos or stop is not None else FinishReason.LENGTH
             self.finished.append(Hypothesis(score / gen_len ** length_penalty, tokens, logprobs, reason))
         self.finished.sort(key=lambda h: -h.score)
         del self.finished[self.width:]
+
+
+def _stop_ended(seq: Sequence, token: int) -> list[int] | None:
+    """The stop sequence (of stop_token_ids) that `token` completes on `seq`, where min_tokens allows
+    one to end it (Sequence.check_stop's rule for plain decoding)."""
+    p, n_out = seq.params, seq.num_output_tokens + 1
+    if n_out < p.min_tokens:
+        return None
+    for stop in p.stop_token_ids:
+        if len(stop) <= n_out and stop[-1] == token and seq.token_ids[len(seq.token_ids) - len(stop) + 1:] == stop[:-1]:
+            return stop
+    return None

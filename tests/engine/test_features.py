@@ -164,12 +164,12 @@ def test_top_k_one_is_greedy(engine, greedy_tokens):
     assert out.token_ids == greedy_tokens
 
 
-def _hf_beams(model, prompt, width, max_new_tokens):
+def _hf_beams(model, prompt, width, max_new_tokens, extra_eos=()):
+    eos = model.generation_config.eos_token_id
+    eos = set(eos if isinstance(eos, list) else [eos]) | set(extra_eos)
     with torch.inference_mode():
         seqs = model.generate(torch.tensor([prompt]), num_beams=width, num_return_sequences=width, do_sample=False,
-                              max_new_tokens=max_new_tokens, pad_token_id=-1)
-    eos = model.generation_config.eos_token_id
-    eos = set(eos if isinstance(eos, list) else [eos])
+                              max_new_tokens=max_new_tokens, pad_token_id=-1, eos_token_id=sorted(eos))
     beams = []
     for row in seqs[:, len(prompt):].tolist():
         cut = next((i for i, t in enumerate(row) if t in eos or t == -1), len(row))
@@ -182,6 +182,16 @@ def test_beam_search_matches_transformers(engine, tiny_hf, width):
     out = _generate(engine, max_tokens=12, beam_width=width, n=width)
     assert [c.token_ids for c in out.outputs] == _hf_beams(tiny_hf, PROMPT, width, 12)
     assert engine.stats().free_blocks == engine.stats().max_blocks
+
+
+def test_beam_search_ends_a_beam_on_a_stop_token_as_on_the_end_id(engine, tiny_hf):
+    """stop_token_ids end a beam (they were ignored: every beam ran to max_tokens); a one-token
+    stop acts as one more end id, which is transformers' reference."""
+    plain = _generate(engine, max_tokens=12, beam_width=2, n=2).outputs
+    stop = plain[0].token_ids[3]
+    out = _generate(engine, max_tokens=12, beam_width=2, n=2, stop_token_ids=[[stop]]).outputs
+    assert [c.token_ids for c in out] == _hf_beams(tiny_hf, PROMPT, 2, 12, extra_eos=[stop])
+    assert not any(stop in c.token_ids for c in out)
 
 
 def test_beam_search_with_end_of_sequence(smollm2_dir, smollm2_hf, smollm2_tokenizer):

@@ -290,6 +290,10 @@ class LLMEngine:
         for request in {seq.request_id: self.requests[seq.request_id] for seq in seqs}.values():
             output = self._output(request)
             if output is not None:
+                if output.finished and any(seq.left_its_guide for seq in request.seqs):
+                    output.error = InvalidRequestError(request.params.guide.field, (
+                        "left no token to draw: every token its guide allowed next was also ruled out "
+                        "(bad words, logit_bias, or min_tokens holding back the end the guide needed)"))
                 outputs.append(output)
             if request.finished:
                 del self.requests[request.request_id]
@@ -423,4 +427,5 @@ def merge_outputs(acc: RequestOutput | None, delta: RequestOutput) -> RequestOut
     acc.prompt_logprobs = acc.prompt_logprobs or delta.prompt_logprobs
     acc.prompt_top_logprobs = acc.prompt_top_logprobs or delta.prompt_top_logprobs
     acc.context_logits = acc.context_logits if acc.context_logits is not None else delta.context_logits
+    acc.error = acc.error or delta.error
     return acc

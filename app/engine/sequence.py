@@ -46,6 +46,7 @@ class Sequence:
         self.generator = generator
         self.adapter_id = adapter_id
         self.grammar = None  # guided decoding: a GrammarMatcher (app/engine/guided.py) the tokens advance
+        self.left_its_guide = False  # a token its grammar refused: nothing the guide allowed could be drawn
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0
         self.block_table: list[int] = []
@@ -129,8 +130,10 @@ class Sequence:
     def append_token(self, token_id: int, logprob: float,
                      top_logprobs: tuple[list[int], list[float]] | None = None,
                      logits: np.ndarray | None = None) -> None:
-        if self.grammar is not None:
-            self.grammar.accept(token_id)
+        if self.grammar is not None and not self.grammar.accept(token_id):
+            # Every token the grammar allowed was masked out too (bad words, logit_bias, min_tokens
+            # holding back the end the guide needs): the draw fell outside it. check_stop ends here.
+            self.left_its_guide = True
         self.token_ids.append(token_id)
         self.output_logprobs.append(logprob)
         self.output_top_logprobs.append(top_logprobs)
@@ -184,6 +187,9 @@ class Sequence:
         """After append_token: decide whether the sequence ends, and cut what must not be output."""
         p = self.params
         last = self.token_ids[-1]
+        if self.left_its_guide:
+            self._truncate(1)
+            return self._finish(FinishReason.ABORT, None)
         if not p.ignore_eos and last in self.eos_ids:
             self._truncate(1)
             return self._finish(FinishReason.STOP, last)

@@ -239,6 +239,23 @@ def test_a_guide_that_does_not_compile_is_refused_by_its_field(engine, guide, me
     assert "/project/" not in err.value.message and "bad" not in engine.requests
 
 
+@pytest.mark.parametrize("banned", ["the answer", "the end"])
+def test_a_guide_whose_every_next_token_is_banned_ends_with_an_error(engine, chat, banned):
+    """Bad words (or logit_bias, or min_tokens holding back the end) can rule out every token the
+    guide allows: the draw then fell outside the guide and the output went on as if nothing had
+    happened ('<|endoftext|>' five times, or 'a' and then the end id held back by a ban). Now the
+    request ends there, naming its guide's field, and the engine serves the next one."""
+    tokenizer, prompt = chat
+    a = tokenizer.encode("a", add_special_tokens=False)
+    bad = [a] if banned == "the answer" else [[tokenizer.hf.eos_token_id]]
+    out = engine.generate([prompt("Say a.")], SamplingParams(max_tokens=5, temperature=0.0, bad_token_ids=bad,
+                                                             guide=Guide("regex", "a", "guided_regex")))[0]
+    assert isinstance(out.error, InvalidRequestError) and out.error.field == "guided_regex"
+    assert out.outputs[0].finish_reason == "abort" and out.outputs[0].token_ids == ([] if bad == [a] else a)
+    text, _ = _text(engine, tokenizer, prompt("Say a."), Guide("regex", "a"))
+    assert text == "a"
+
+
 def test_beam_search_with_a_guide_is_refused(engine):
     with pytest.raises(InvalidRequestError, match="does not combine with beam search"):
         engine.add_request("beams", [1, 2, 3], SamplingParams(max_tokens=4, beam_width=2, guide=Guide("json")))

@@ -235,7 +235,9 @@ class Scheduler:
         remaining = seq.num_tokens - seq.num_computed_tokens
         if remaining <= budget:
             return remaining
-        return budget if self.limits.chunked_prefill else 0
+        # A preempted sequence recomputes in chunks whatever the setting: prompt and output together
+        # may pass max_num_tokens, and it waits at the head of the queue, ahead of every request.
+        return budget if self.limits.chunked_prefill or seq.num_preemptions else 0
 
     def _guessing_decodes(self) -> list[Sequence]:
         """The running decodes that may guess this step: all of them, while every decode row of the

@@ -228,6 +228,26 @@ def test_beams_fork_in_a_full_pool_beside_other_requests(tiny_llama_dir, policy,
         assert engine.stats().used_blocks == 0
 
 
+def test_a_preempted_sequence_longer_than_a_step_resumes_with_chunked_prefill_off(tiny_llama_dir):
+    """Preempted at 89 tokens, B needs more than max_num_tokens (64) to recompute: with whole prompts
+    only, it waited at the head of the queue forever, and every request behind it. It recomputes in
+    chunks, and both answers are those of an engine with room to spare."""
+    prompts = [list(range(2, 42)), list(range(2, 58))]
+    params = [SamplingParams(max_tokens=80, temperature=0.0, ignore_eos=True),
+              SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)]
+    want = make_engine(tiny_llama_dir).generate(prompts, params)
+    engine = make_engine(tiny_llama_dir, max_tokens=128, tokens_per_block=8, scheduler_policy="MAX_UTILIZATION",
+                         enable_chunked_prefill=False, max_num_tokens=64)
+    got = {}
+    for rid, prompt, p in zip("AB", prompts, params):
+        engine.add_request(rid, prompt, p)
+    for _ in range(1000):  # a bound, not a hang, where the sequence never resumes
+        for out in engine.step():
+            got[out.request_id] = merge_outputs(got.get(out.request_id), out)
+    assert engine.stats().num_preempted_total >= 1 and not engine.has_unfinished_requests()
+    assert [got[rid].outputs[0].token_ids for rid in "AB"] == [o.outputs[0].token_ids for o in want]
+
+
 def test_beams_that_cannot_all_fit_the_pool_are_refused(tiny_llama_dir):
     """Each beam holds its own blocks: a search whose beams could never fit together waited at the
     head of the queue forever, and every request behind it with it. Without max_tokens, the

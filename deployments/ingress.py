@@ -195,11 +195,17 @@ class Ingress:
         if request_id is None:
             yield None
             return
-        await self.request_ids.claim.remote(request_id, self.owner)
+        if request_id in self.stops:  # in flight here: the registry may have forgotten it (restarted)
+            raise InvalidRequestError("request_id", f"'{request_id}' is already in flight; a request id must be "
+                                                    "unique among the requests in flight", status=409)
+        # Taken here before the claim: a stop the registry hands back before the claim's answer finds
+        # it, and a caller cancelled during the claim still releases (the registry ignores the
+        # release of an id another owner holds, and releases follow claims in order).
         stop = self.stops[request_id] = asyncio.Event()
-        if self.polling is None or self.polling.done():
-            self.polling = asyncio.create_task(self._poll_stops())
         try:
+            await self.request_ids.claim.remote(request_id, self.owner)
+            if self.polling is None or self.polling.done():
+                self.polling = asyncio.create_task(self._poll_stops())
             yield stop
         finally:
             del self.stops[request_id]

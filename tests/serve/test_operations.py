@@ -193,6 +193,25 @@ def test_ingress_killed_mid_stream_frees_the_engine(ops):
     _recover(ops, killed)
 
 
+def test_a_restarted_id_registry_keeps_ids_unique_on_its_ingress(ops):
+    """The request id registry restarts empty. A second request under an id still streaming on the
+    same Ingress replica is refused there (409), and the first ends as it would have. The new
+    registry took the second: the two then shared the replica's stop event, and the first to end
+    removed the other's (KeyError: a finished generation turned into an error)."""
+    request_id = f"registry-restart-{time.monotonic_ns()}"
+    with ops.stream("POST", "/v2/models/ensemble/generate_stream",
+                    json={**LONG, "max_tokens": 120, "request_id": request_id}, timeout=60) as r:
+        lines = r.iter_lines()
+        next(line for line in lines if line.startswith("data: "))
+        ray.kill(_replica("RequestIds"), no_restart=True)
+        # Its claim would wait for the new, empty registry, which would take it.
+        twin = ops.post("/v2/models/ensemble/generate", json={"text_input": "Hi", "max_tokens": 2,
+                                                              "request_id": request_id})
+        assert twin.status_code == 409 and twin.json()["error"].startswith("request_id"), twin.text
+        rest = _events(lines)
+    assert rest and "error" not in rest[-1] and rest[-1]["finish_reason"] == "length", rest[-1:]
+
+
 def test_redeploy_finishes_requests_in_flight(ops, tmp_path_factory, lora_root):
     """A new config rolls every replica; a stream running through the old ones completes in full,
     and new requests go to the new replicas."""

@@ -151,6 +151,9 @@ class EngineProcess:
                     raise RuntimeError(rest[0])
         except (EOFError, OSError, RuntimeError) as exc:
             self._fail_everything(str(exc) or f"exit code {self._process.exitcode}")
+        except Exception as exc:  # noqa: BLE001 - a message this side cannot take: without its reader
+            # every stream would stall until the stuck check, and new ones would still be taken.
+            self._fail_everything(f"its reader failed ({type(exc).__name__}: {exc})")
 
     def _deliver(self, request_id: str, item, last: bool) -> None:
         with self._lock:

@@ -93,6 +93,33 @@ def test_a_killed_process_ends_every_stream(tiny_llama_dir):
     engine.shutdown()
 
 
+def test_a_reader_that_fails_ends_every_stream(tiny_llama_dir, monkeypatch):
+    """Whatever the replica's reader of the child's messages trips on (here: delivering an output),
+    the engine is dead at once, not stalled until the stuck check with new requests still taken."""
+    engine = EngineProcess(_config(tiny_llama_dir), cpu_threads=1)
+
+    def broken(*args):
+        raise TypeError("a message this side cannot take")
+
+    async def main():
+        stream = engine.generate("long", PROMPTS[0], SamplingParams(max_tokens=400, ignore_eos=True))
+        await anext(stream)
+        monkeypatch.setattr(engine, "_deliver", broken)
+
+        async def drain():
+            async for _ in stream:
+                pass
+
+        with pytest.raises(EngineDeadError, match="TypeError"):
+            await asyncio.wait_for(drain(), 30)  # a stall, not a hang, where the reader dies silently
+        with pytest.raises(EngineDeadError):
+            await _collect(engine, "late", PROMPTS[0], SamplingParams(max_tokens=2))
+
+    asyncio.run(main())
+    assert not engine.healthy
+    engine.shutdown()
+
+
 def test_a_broken_start_is_one_sentence(tmp_path):
     with pytest.raises(RuntimeError, match="could not start"):
         EngineProcess(EngineConfig(model=str(tmp_path / "nothing")))

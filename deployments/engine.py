@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 
 from ray import serve
 from ray.experimental import internal_kv
@@ -21,6 +22,7 @@ MAX_ADAPTERS_PER_REPLICA = 64  # what Serve's multiplexed routing tracks per rep
 # one alone and lands where it was never loaded (a restarted or new replica, a routing fallback)
 # loads it from here. Ray's GCS key-value store outlives replicas and costs no process of its own.
 ADAPTER_PATHS = "llm-serve-adapters"
+logger = logging.getLogger("ray.serve")
 
 
 @serve.deployment(name="Engine")
@@ -52,8 +54,13 @@ class EngineDeployment:
         await self.outbound.stream(reply_to, outputs)
         if adapter is not None and adapter.path is not None and adapter.name not in self.bound:
             self.bound.add(adapter.name)  # it loaded: other replicas may load it by name from now on
-            await asyncio.to_thread(internal_kv._internal_kv_put, self._key(adapter.name), adapter.path,
-                                    overwrite=False, namespace=ADAPTER_PATHS)
+            try:
+                await asyncio.to_thread(internal_kv._internal_kv_put, self._key(adapter.name), adapter.path,
+                                        overwrite=False, namespace=ADAPTER_PATHS)
+            except Exception:  # noqa: BLE001 - the answer is out whole; failing the call now could
+                # reach the consumer before its last frame does, and turn a finished answer into an error
+                logger.warning("could not record adapter %r's path for other replicas", adapter.name,
+                               exc_info=True)
 
     async def _recorded(self, adapter: AdapterRef) -> AdapterRef:
         """The adapter with the path another replica bound its name to, if one did: a name keeps one

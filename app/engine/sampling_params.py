@@ -99,12 +99,14 @@ class RequestLimits:
 def request_limits(config: EngineConfig, vocab_size: int, max_seq_len: int, max_cache_tokens: int) -> RequestLimits:
     """The limits of an engine built from `config` (an EngineConfig): the model's, capped by the config."""
     return RequestLimits(
-        vocab_size=vocab_size, max_seq_len=max_seq_len, max_beam_width=config.max_beam_width,
+        # A search's beams run as rows of one step: a wider one would wait at the head of the queue forever.
+        vocab_size=vocab_size, max_seq_len=max_seq_len,
+        max_beam_width=min(config.max_beam_width, config.max_batch_size, config.max_num_tokens),
         max_num_tokens=config.max_num_tokens, chunked_prefill=config.enable_chunked_prefill,
         max_cache_tokens=max_cache_tokens, tokens_per_block=config.kv_cache_config.tokens_per_block,
         max_input_len=config.max_input_len, max_output_len=config.max_output_len,
         max_return_sequences=config.max_return_sequences, max_stop_words=config.max_stop_words,
-        max_stop_word_len=config.max_stop_word_len, max_logprobs=config.max_logprobs,
+        max_stop_word_len=config.max_stop_word_len, max_logprobs=min(config.max_logprobs, vocab_size),
         max_logits_floats=config.max_logits_floats)
 
 

@@ -248,6 +248,18 @@ def test_a_preempted_sequence_longer_than_a_step_resumes_with_chunked_prefill_of
     assert [got[rid].outputs[0].token_ids for rid in "AB"] == [o.outputs[0].token_ids for o in want]
 
 
+def test_what_a_config_could_never_run_is_refused(tiny_llama_dir):
+    """A search wider than the batch would never be admitted (and would hold up the queue behind
+    it); more top logprobs than the vocabulary made topk fail the step."""
+    engine = make_engine(tiny_llama_dir, max_batch_size=2, max_logprobs=1000)
+    with pytest.raises(InvalidRequestError, match=r"beam_width: must be in \[1, 2\]"):
+        engine.add_request("wide", [5, 6], SamplingParams(beam_width=3))
+    with pytest.raises(InvalidRequestError, match="top_logprobs: 257 exceeds"):
+        engine.add_request("many", [5, 6], SamplingParams(top_logprobs=257))
+    out = engine.generate([[5, 6]], SamplingParams(max_tokens=2, top_logprobs=256, beam_width=1))[0]
+    assert len(out.outputs[0].top_logprobs[0][0]) == 256
+
+
 def test_beams_that_cannot_all_fit_the_pool_are_refused(tiny_llama_dir):
     """Each beam holds its own blocks: a search whose beams could never fit together waited at the
     head of the queue forever, and every request behind it with it. Without max_tokens, the

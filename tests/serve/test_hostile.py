@@ -398,6 +398,19 @@ def known_cases() -> dict[str, Case]:
         "temperature=1e-300 chat": _q(v1(True, temperature=1e-300, max_tokens=4), greedy_like=True),
         "temperature=1e-300 top_k=50 generate": _q(gen(temperature=1e-300, top_k=50, max_tokens=4), greedy_like=True),
     }
+    cases |= {  # each once failed a step, a stream or the request's answer; each is a 400 naming it now
+        "length_penalty 2000 beam": _q(gen(length_penalty=2000, beam_width=2), refused=True),
+        "length_penalty -2000 beam stream": _q(gen("ensemble", "generate_stream", length_penalty=-2000,
+                                                   beam_width=2), refused=True),
+        "repetition_penalty 1e-300": _q(gen(repetition_penalty=1e-300), refused=True),
+        "repetition_penalty 1e-300 chat": _q(v1(True, repetition_penalty=1e-300), refused=True),
+        "prompt [-1] echo": _q(v1(prompt=[-1], echo=True), refused=True),
+        "prompt [2^40] echo": _q(v1(prompt=[2**40], echo=True), refused=True),
+        "input_ids a batch of 2": _q(gen("tensorrt_llm", input_ids=[[1, 2], [3, 4]]), refused=True),
+        "stop_words a batch of 2": _q(gen(stop_words=[["a"], ["b"]]), refused=True),
+        "max_tokens and request_output_len disagree": _q(gen(request_output_len=100), refused=True),
+        "infer output misspelled": _q(infer(outputs=[{"name": "txt_output"}], names=("outputs",)), refused=True),
+    }
     good = tensor("top_k", 1)
     cases |= {
         "infer tensor name a list": infer(tensors=[{**good, "name": ["text_input"]}], names=("inputs", "name")),

@@ -20,8 +20,8 @@ from app.engine.sequence import Sequence
 _ROOT = hashlib.sha256(b"kv-root").digest()
 
 
-def block_hash(parent: bytes, tokens: list[int], adapter_id: str | None) -> bytes:
-    adapter = (adapter_id or "").encode()
+def block_hash(parent: bytes, tokens: list[int], adapter_key: str | None) -> bytes:
+    adapter = (adapter_key or "").encode()
     digest = hashlib.sha256(parent)
     digest.update(len(adapter).to_bytes(4, "little") + adapter)  # length first: no two fields run together
     digest.update(array("q", tokens).tobytes())
@@ -58,7 +58,7 @@ class BlockManager:
             return []
         hits, parent = [], _ROOT
         for i in range((seq.num_tokens - 1) // self.block_size):
-            parent = block_hash(parent, seq.token_ids[i * self.block_size:(i + 1) * self.block_size], seq.adapter_id)
+            parent = block_hash(parent, seq.token_ids[i * self.block_size:(i + 1) * self.block_size], seq.adapter_key)
             block = self.cached.get(parent)
             if block is None:
                 break
@@ -133,7 +133,7 @@ class BlockManager:
         n_full = seq.num_computed_tokens // self.block_size
         for i in range(len(seq.block_hashes), n_full):
             parent = seq.block_hashes[-1] if seq.block_hashes else _ROOT
-            h = block_hash(parent, seq.token_ids[i * self.block_size:(i + 1) * self.block_size], seq.adapter_id)
+            h = block_hash(parent, seq.token_ids[i * self.block_size:(i + 1) * self.block_size], seq.adapter_key)
             seq.block_hashes.append(h)
             block = seq.block_table[i]
             if h not in self.cached and self.hash_of[block] is None:

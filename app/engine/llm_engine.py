@@ -67,6 +67,8 @@ class LLMEngine:
         kv = config.kv_cache_config
         self.block_manager = BlockManager(self.runner.num_blocks, kv.tokens_per_block, kv.enable_block_reuse)
         self._seq_ids = itertools.count()
+        self._adapter_loads: dict[str, int] = {}  # name -> which registration of it is loaded
+        self._load_ids = itertools.count(1)
         spec = config.speculative_config
         self.proposer = self.runner.draft or (NGramProposer(spec) if spec else None)
         self.scheduler = Scheduler(
@@ -108,6 +110,9 @@ class LLMEngine:
         compiling = self.grammars.compile(params.guide) if params.guide else None
         seqs = [Sequence(next(self._seq_ids), request_id, i, prompt_token_ids, params, self.eos_ids,
                          self._generator(params, i), adapter_id, arrival_ns) for i in range(num_seqs)]
+        if adapter_id is not None:
+            for seq in seqs:
+                seq.adapter_key = f"{adapter_id}#{self._adapter_loads.get(adapter_id, 0)}"
         beam = BeamGroup(seqs[0], params.beam_width) if params.beam_width > 1 else None
         # A beam search's sequences are its group's: the list grows as beams fork.
         request = Request(request_id, params, beam.seqs if beam else seqs, beam, arrival_ns)
@@ -160,6 +165,7 @@ class LLMEngine:
         # Every request's adapter, those still compiling their guide included, stays loaded.
         in_use = {s.adapter_id for r in self.requests.values() for s in r.seqs if s.adapter_id}
         self.runner.add_lora(name, path, in_use, prepared)
+        self._adapter_loads[name] = next(self._load_ids)  # blocks cached under an earlier load are not this one's
 
     def _generator(self, params: SamplingParams, index: int) -> torch.Generator | None:
         if params.seed is None or params.greedy:

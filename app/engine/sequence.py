@@ -45,6 +45,9 @@ class Sequence:
         self.eos_ids = frozenset([params.end_id]) if params.end_id is not None else eos_ids
         self.generator = generator
         self.adapter_id = adapter_id
+        # What the prefix cache keys this sequence's blocks by besides their tokens: the adapter's
+        # name and which load of it (LLMEngine sets it), as a name may be registered again with new weights.
+        self.adapter_key = adapter_id
         self.grammar = None  # guided decoding: a GrammarMatcher (app/engine/guided.py) the tokens advance
         self.left_its_guide = False  # a token its grammar refused: nothing the guide allowed could be drawn
         self.status = SequenceStatus.WAITING
@@ -237,6 +240,7 @@ class Sequence:
         """A copy sharing history (beam search); the caller gives it its blocks."""
         child = Sequence(seq_id, self.request_id, self.index, [], self.params, self.eos_ids, None,
                          self.adapter_id, self.arrival_ns)
+        child.adapter_key = self.adapter_key
         child.token_ids = list(self.token_ids)
         child.num_prompt_tokens = self.num_prompt_tokens
         child.output_logprobs = list(self.output_logprobs)

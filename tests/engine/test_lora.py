@@ -118,6 +118,22 @@ def test_adapter_id_is_part_of_the_block_hash(tiny_llama_dir, adapter_dirs):
     assert outs[0].metrics.kv_cache_reused_blocks == 0
 
 
+def test_a_name_registered_again_never_reuses_the_old_weights_kv(tiny_llama_dir, adapter_dirs, expected):
+    """Blocks cached under an adapter's name were reused after the name was registered again with
+    other weights (the same path, its files replaced): the answer was the old adapter's, in part."""
+    prompts, out = expected
+    i = max(range(len(prompts)), key=lambda k: len(prompts[k]))  # the most full blocks to reuse
+    engine = make_engine(tiny_llama_dir, tokens_per_block=4)
+    engine.add_lora("x", adapter_dirs["a"])
+    assert _run(engine, prompts, [(i, "x")], [0]) == [out[(i, "a")]]
+    engine.add_lora("x", adapter_dirs["b"])
+    reused = engine.stats().reused_blocks_total
+    assert _run(engine, prompts, [(i, "x")], [0]) == [out[(i, "b")]]
+    assert engine.stats().reused_blocks_total == reused
+    assert _run(engine, prompts, [(i, "x")], [0]) == [out[(i, "b")]]
+    assert engine.stats().reused_blocks_total > reused  # the new weights' own blocks are reused
+
+
 def test_unknown_adapter_and_bad_paths_are_refused(tiny_llama_dir, tmp_path):
     engine = make_engine(tiny_llama_dir)
     with pytest.raises(InvalidRequestError, match="not loaded"):

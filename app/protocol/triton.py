@@ -37,8 +37,9 @@ PERF_OUTPUTS = {
     "acceptance_rate": "acceptance_rate", "total_accepted_draft_tokens": "total_accepted_draft_tokens",
     "total_draft_tokens": "total_draft_tokens"}
 # Every output a response may carry: what /infer's `outputs` may ask for
-OUTPUTS = ("text_output", "output_ids", "sequence_length", "cum_log_probs", "output_log_probs", "sequence_start",
-           "sequence_end", "sequence_id", "finish_reason", "stop_reason", *LOGITS_OUTPUTS, *PERF_OUTPUTS)
+OUTPUTS = ("text_output", "output_ids", "sequence_length", "cum_log_probs", "output_log_probs", "batch_index",
+           "sequence_index", "sequence_start", "sequence_end", "sequence_id", "finish_reason", "stop_reason",
+           *LOGITS_OUTPUTS, *PERF_OUTPUTS)
 
 # Alternative spellings used by the seeds' models -> our field name.
 ALIASES = {
@@ -152,10 +153,16 @@ def _fields(model: str, body: Any, served_name: str) -> dict:
     # names) must say the same both times, or the request is refused naming it.
     for key, value in [*parameters.items(), *top.items()]:
         name = ALIASES.get(key, key)
-        if name in fields and fields[name] != value:
+        if name in fields and not _same(fields[name], value):
             raise InvalidRequestError(key, f"is given twice, as '{name}' too, with different values")
         fields[name] = value
     return {k: v if k in LIST_FIELDS else _one(v) for k, v in fields.items()}
+
+
+def _same(a, b) -> bool:
+    """Two spellings of one value: 20, [20] and [[20]]; "", [] and None (no words)."""
+    a, b = _one(a), _one(b)
+    return a == b or (a in ("", [], None) and b in ("", [], None))
 
 
 def parse_stop(model: str, body: Any, served_name: str) -> str | None:
@@ -274,7 +281,9 @@ def generate_response(model: str, req: TritonGenerateRequest, chunk: TextChunk, 
     out["cum_log_probs"] = cum[0] if len(cum) == 1 else cum
     out["output_log_probs"] = [lp for o in chunk.outputs for lp in (o.logprobs or [])] if req.return_log_probs \
         else [0.0] * len(chunk.outputs[0].token_ids)
-    out.update(sequence_start=False, sequence_end=final, sequence_id=0)
+    indices = [o.index for o in chunk.outputs]  # TensorRT-LLM's: which of the request's outputs each is
+    out.update(batch_index=0, sequence_index=indices[0] if len(indices) == 1 else indices, sequence_start=False,
+               sequence_end=final, sequence_id=0)
     reason = chunk.outputs[0].finish_reason
     if reason is not None:
         out["finish_reason"] = reason

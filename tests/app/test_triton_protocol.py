@@ -81,8 +81,9 @@ def test_token_id_refusals_name_the_field(body, field):
 
 def test_input_lengths_cut_the_padding_and_one_value_twice_is_one_value():
     job, _ = _parse({"input_ids": [[1, 2, 3, 0, 0]], "input_lengths": [[3]], "max_tokens": 4,
-                     "parameters": {"request_output_len": 4}}, model="tensorrt_llm")
-    assert job.prompt_token_ids == [1, 2, 3] and job.params.max_tokens == 4
+                     "parameters": {"request_output_len": [[4]], "bad_words": "", "end_id": 2}, "bad_words": [],
+                     "end_id": [2]}, model="tensorrt_llm")
+    assert job.prompt_token_ids == [1, 2, 3] and job.params.max_tokens == 4 and job.params.end_id == 2
 
 
 def test_infer_refuses_an_output_the_model_does_not_have():

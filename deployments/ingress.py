@@ -198,18 +198,27 @@ class Ingress:
         if request_id in self.stops:  # in flight here: the registry may have forgotten it (restarted)
             raise InvalidRequestError("request_id", f"'{request_id}' is already in flight; a request id must be "
                                                     "unique among the requests in flight", status=409)
-        # Taken here before the claim: a stop the registry hands back before the claim's answer finds
-        # it, and a caller cancelled during the claim still releases (the registry ignores the
-        # release of an id another owner holds, and releases follow claims in order).
+        # Taken here before the claim: a stop the registry hands back before the claim's answer finds it.
         stop = self.stops[request_id] = asyncio.Event()
+        claim = asyncio.ensure_future(self._claim(request_id))
         try:
-            await self.request_ids.claim.remote(request_id, self.owner)
+            await asyncio.shield(claim)
             if self.polling is None or self.polling.done():
                 self.polling = asyncio.create_task(self._poll_stops())
             yield stop
         finally:
             del self.stops[request_id]
-            self.request_ids.release.remote(request_id, self.owner)  # nothing to wait for
+            # A caller cancelled during the claim releases once the claim has landed, never before it
+            # (two calls to the registry keep no order). It ignores releases of ids others own.
+            claim.add_done_callback(lambda done: self._release(request_id, done))
+
+    async def _claim(self, request_id: str) -> None:
+        await self.request_ids.claim.remote(request_id, self.owner)
+
+    def _release(self, request_id: str, claim: asyncio.Future) -> None:
+        if not claim.cancelled():
+            claim.exception()  # fetched: a claim whose caller left is nobody's to raise
+        self.request_ids.release.remote(request_id, self.owner)  # nothing to wait for
 
     async def _poll_stops(self) -> None:
         """One long poll at a time, while this replica streams named requests: the registry answers

@@ -256,6 +256,8 @@ class _Connection:
                         await asyncio.wait_for(self.urgent.wait(), delay)
                     except TimeoutError:
                         pass
+                    if self.closed:  # closed while it waited
+                        return
                 self.wake.clear()
                 self.urgent.clear()
                 batch, self.pending = self.pending, {}

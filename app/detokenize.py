@@ -36,9 +36,11 @@ def _prompt(tokenizer: Tokenizer, job: TokenizedJob, out: RequestOutput) -> Prom
 
 async def text_chunks(tokenizer: Tokenizer, job: TokenizedJob,
                       outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[TextChunk]:
-    """A chunk per engine output. Once every output the request asked for has hit a stop string,
-    the last chunk is finished and `outputs` is closed: upstream, that cancels the engine's request."""
+    """A chunk per engine output. Once every output the request asked for has ended (on a stop
+    string here, or as the engine ended it), the chunk is the last and `outputs` is closed:
+    upstream, that cancels the engine's request."""
     detoks: dict[int, IncrementalDetokenizer] = {}
+    ended: set[int] = set()  # outputs that are over, by a stop string or as the engine ended them
     offsets: dict[int, int] = {}  # characters of each output's token texts so far
     echoed = False
     async with aclosing(outputs):
@@ -59,6 +61,7 @@ async def text_chunks(tokenizer: Tokenizer, job: TokenizedJob,
                     text += detok.finish(reason if isinstance(reason, list) else None)
                     if detok.stopped is not None:
                         finish, reason = "stop", detok.stopped
+                    ended.add(c.index)
                 tokens = None
                 if c.logprobs is not None:
                     tokens, offsets[c.index] = token_texts(tokenizer, c.token_ids, c.top_logprobs,
@@ -67,8 +70,7 @@ async def text_chunks(tokenizer: Tokenizer, job: TokenizedJob,
                                                 finish, reason, tokens, c.generation_logits))
             # Every output the request asked for, not only those seen so far: a sibling may not have
             # sent its first tokens yet (admitted later, or holding back a possible stop prefix).
-            chunk.finished = chunk.finished or (len(detoks) == job.params.n
-                                                and all(d.stopped is not None for d in detoks.values()))
+            chunk.finished = chunk.finished or len(ended) == job.params.n
             yield chunk
             if chunk.finished:
                 return

@@ -26,9 +26,11 @@ def pytest_unconfigure(config):
     router loop is still polling here at the end; ray-project/ray#31145: not safe to restart in one
     process), and tearing the interpreter down under them killed CI's process with a segmentation
     fault after every test had passed (twice, with no Python frame even under the fault handler)."""
+    if _EXIT_STATUS not in config.stash:  # no session ran (--help, --markers): the usual exit
+        return
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(config.stash.get(_EXIT_STATUS, 1))
+    os._exit(config.stash[_EXIT_STATUS])
 
 
 @pytest.fixture(scope="session")

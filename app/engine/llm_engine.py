@@ -299,7 +299,7 @@ class LLMEngine:
                 if output.finished and any(seq.left_its_guide for seq in request.seqs):
                     output.error = InvalidRequestError(request.params.guide.field, (
                         "left no token to draw: every token its guide allowed next was also ruled out "
-                        "(bad words, logit_bias, or min_tokens holding back the end the guide needed)"))
+                        "(by bad words or logit_bias)"))
                 outputs.append(output)
             if request.finished:
                 del self.requests[request.request_id]

@@ -226,8 +226,9 @@ class Scheduler:
         holds it from other admissions, but under MAX_UTILIZATION a running sequence's growth may
         have taken it: preempt as that growth would."""
         while self.blocks.fork_needs_block(parent) and not self.blocks.num_free_blocks:
-            victim = self._pick_victim()
-            if victim is None:  # every running sequence is a beam, each group within its reservation
+            evicts = self.limits.policy is SchedulerPolicy.MAX_UTILIZATION
+            victim = self._pick_victim() if evicts else None
+            if victim is None:  # not while GUARANTEED_NO_EVICT's reservations hold, nor with beams alone
                 raise RuntimeError("no free KV block for a beam search fork")
             self._preempt(victim, SchedulerOutput())
 

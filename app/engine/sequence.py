@@ -134,8 +134,8 @@ class Sequence:
                      top_logprobs: tuple[list[int], list[float]] | None = None,
                      logits: np.ndarray | None = None) -> None:
         if self.grammar is not None and not self.grammar.accept(token_id):
-            # Every token the grammar allowed was masked out too (bad words, logit_bias, min_tokens
-            # holding back the end the guide needs): the draw fell outside it. check_stop ends here.
+            # Every token the grammar allowed was masked out too (bad words, logit_bias): the draw
+            # fell outside it. check_stop ends the sequence here.
             self.left_its_guide = True
         self.token_ids.append(token_id)
         self.output_logprobs.append(logprob)

@@ -55,6 +55,14 @@ def test_a_stop_string_in_one_output_leaves_its_siblings_running(tokenizer):
     assert chunks[-1].finished and chunks[-1].outputs[-1].finish_reason == "length"
 
 
+def test_an_output_the_engine_ended_counts_as_ended(tokenizer):
+    """Output 0 ends at its length, output 1 on a stop string: nothing is left to wait for (the
+    engine went on computing output 1 to its max_tokens)."""
+    chunks, given = _run(tokenizer, 2, [[(0, "a", "length"), (1, "b", None)], [(1, " END c", None)],
+                                        [(1, "read", "length")]])
+    assert given == 2 and chunks[-1].finished and _texts(chunks) == {0: "a", 1: "b "}
+
+
 def test_the_request_ends_once_every_output_hit_a_stop_string(tokenizer):
     chunks, given = _run(tokenizer, 2, [[(0, "a END", None), (1, "b", None)], [(1, " END c", None)],
                                         [(0, "never", None)], [(1, "read", "length")]])

@@ -241,10 +241,10 @@ def test_a_guide_that_does_not_compile_is_refused_by_its_field(engine, guide, me
 
 @pytest.mark.parametrize("banned", ["the answer", "the end"])
 def test_a_guide_whose_every_next_token_is_banned_ends_with_an_error(engine, chat, banned):
-    """Bad words (or logit_bias, or min_tokens holding back the end) can rule out every token the
-    guide allows: the draw then fell outside the guide and the output went on as if nothing had
-    happened ('<|endoftext|>' five times, or 'a' and then the end id held back by a ban). Now the
-    request ends there, naming its guide's field, and the engine serves the next one."""
+    """Bad words (or logit_bias) can rule out every token the guide allows: the draw then fell
+    outside the guide and the output went on as if nothing had happened ('<|endoftext|>' five
+    times, or 'a' and then the end id held back by a ban). Now the request ends there, naming its
+    guide's field, and the engine serves the next one."""
     tokenizer, prompt = chat
     a = tokenizer.encode("a", add_special_tokens=False)
     bad = [a] if banned == "the answer" else [[tokenizer.hf.eos_token_id]]

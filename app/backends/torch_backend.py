@@ -3,12 +3,14 @@ from __future__ import annotations
 
 import asyncio
 import os
+from contextlib import aclosing
 
 import torch
 
 from app.backends.base import AdapterTable
 from app.config import ServiceConfig
-from app.engine import AsyncLLMEngine, LLMEngine, SamplingParams
+from app.engine import AsyncLLMEngine, InvalidRequestError, LLMEngine, SamplingParams
+from app.engine.errors import AdapterNotLoadedError
 from app.engine.engine_process import EngineProcess
 from app.engine.executor import WorkerLauncher
 from app.protocol.messages import AdapterRef
@@ -36,13 +38,29 @@ class TorchBackend:
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        adapter: AdapterRef | None = None):
-        if adapter is not None:
-            await self._load(adapter)
-        async for output in self.engine.generate(request_id, prompt_token_ids, params,
-                                                 adapter.name if adapter else None):
-            yield output
+        if adapter is None:
+            async for output in self.engine.generate(request_id, prompt_token_ids, params):
+                yield output
+            return
+        # The engine may evict the adapter before the request reaches it: the stats that said it was
+        # loaded are a step old, and another request's load may come first. Loaded again, it is
+        # kept for this request (LLMEngine.FRESH_LOAD_S).
+        for again in (False, True):
+            await self._load(adapter, again)
+            async with aclosing(self.engine.generate(request_id, prompt_token_ids, params, adapter.name)) as outputs:
+                try:
+                    first = await anext(outputs)
+                except AdapterNotLoadedError:
+                    if again:
+                        raise InvalidRequestError(adapter.field, f"LoRA adapter '{adapter.name}' was evicted "
+                                                                 "twice before its request started; retry") from None
+                    continue
+                yield first
+                async for output in outputs:
+                    yield output
+                return
 
-    async def _load(self, adapter: AdapterRef) -> None:
+    async def _load(self, adapter: AdapterRef, again: bool = False) -> None:
         """Bind the name (at once, before any await: two first uses cannot race to two paths) and
         load it where the engine does not hold it: its first use, or after the host cache evicted it,
         from the path it was bound to. Concurrent first uses share one load (each would read and
@@ -50,7 +68,7 @@ class TorchBackend:
         does not cancel it for the others."""
         new = adapter.name not in self.adapters.paths
         _, path = self.adapters.resolve(adapter)
-        if self.engine.has_lora(adapter.name):
+        if self.engine.has_lora(adapter.name) and not again:
             return
         loading = self._loading.get(adapter.name)
         if loading is None:

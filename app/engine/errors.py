@@ -14,6 +14,11 @@ class InvalidRequestError(ValueError):
         return type(self), (self.field, self.message, self.status)
 
 
+class AdapterNotLoadedError(InvalidRequestError):
+    """A request named an adapter the engine does not hold (never loaded, or evicted since its load):
+    the serving layer may load it again and resubmit."""
+
+
 class EngineDeadError(RuntimeError):
     """The engine loop has died; every request in flight fails with this."""
 

@@ -13,7 +13,7 @@ import torch
 from app.engine.beam_search import BeamGroup
 from app.engine.block_manager import BlockManager
 from app.engine.config import EngineConfig
-from app.engine.errors import InvalidRequestError
+from app.engine.errors import AdapterNotLoadedError, InvalidRequestError
 from app.engine.executor import WorkerLauncher
 from app.engine.guided import GrammarCompiler
 from app.engine.lora_loader import LoRAAdapter
@@ -27,6 +27,7 @@ from app.engine.speculative import NGramProposer
 
 logger = logging.getLogger(__name__)
 MAX_FAILED_STEPS = 3
+FRESH_LOAD_S = 30.0  # how long an adapter loaded for a request that has not arrived is kept from eviction
 
 
 @dataclass
@@ -68,6 +69,9 @@ class LLMEngine:
         self.block_manager = BlockManager(self.runner.num_blocks, kv.tokens_per_block, kv.enable_block_reuse)
         self._seq_ids = itertools.count()
         self._adapter_loads: dict[str, int] = {}  # name -> which registration of it is loaded
+        # Adapters loaded for a request that has not arrived yet (it is on its way from the serving
+        # layer), when: no other load evicts them before it does, or until FRESH_LOAD_S passes.
+        self._fresh_loads: dict[str, float] = {}
         self._load_ids = itertools.count(1)
         spec = config.speculative_config
         self.proposer = self.runner.draft or (NGramProposer(spec) if spec else None)
@@ -102,8 +106,9 @@ class LLMEngine:
             raise InvalidRequestError("request_id", f"{request_id!r} is already in flight")
         params = validate_request(prompt_token_ids, params, self.limits)
         if adapter_id is not None and adapter_id not in self.runner.loras:
-            raise InvalidRequestError("adapter", f"LoRA adapter {adapter_id!r} is not loaded; register it first "
-                                                 "(with its path) and then send its name")
+            raise AdapterNotLoadedError("adapter", f"LoRA adapter {adapter_id!r} is not loaded; register it "
+                                                   "first (with its path) and then send its name")
+        self._fresh_loads.pop(adapter_id, None)
         arrival_ns = arrival_ns or time.time_ns()
         num_seqs = 1 if params.beam_width > 1 else params.n
         # A guide that does not parse is a 400 now; it compiles off this thread, the request waiting.
@@ -162,9 +167,14 @@ class LLMEngine:
     def add_lora(self, name: str, path, prepared: LoRAAdapter | None = None) -> None:
         """Register (or replace) an adapter, `prepared` by prepare_lora already or read here;
         InvalidRequestError says what is wrong with it."""
-        # Every request's adapter, those still compiling their guide included, stays loaded.
+        # Every request's adapter, those still compiling their guide included, stays loaded, and so do
+        # those just loaded for requests on their way (the host cache may hold more than its slots meanwhile).
+        now = time.monotonic()
+        self._fresh_loads = {n: t for n, t in self._fresh_loads.items() if now - t < FRESH_LOAD_S}
         in_use = {s.adapter_id for r in self.requests.values() for s in r.seqs if s.adapter_id}
+        in_use |= set(self._fresh_loads)
         self.runner.add_lora(name, path, in_use, prepared)
+        self._fresh_loads[name] = now
         self._adapter_loads[name] = next(self._load_ids)  # blocks cached under an earlier load are not this one's
 
     def _generator(self, params: SamplingParams, index: int) -> torch.Generator | None:

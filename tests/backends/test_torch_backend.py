@@ -31,3 +31,37 @@ def test_concurrent_first_uses_of_an_adapter_share_one_load(smollm2_dir, lora_ro
     finally:
         backend.shutdown()
     assert prepared == ["chef"] and answers[0] == answers[1] == answers[2] and len(answers[0]) == 8
+
+
+def test_more_new_adapters_at_once_than_the_host_cache_holds_all_answer(smollm2_dir, lora_root):
+    """Four requests bring four new adapters at once to a host cache of two: each adapter's load
+    evicted the one before it, whose request had not reached the engine yet ('not loaded'). Now an
+    adapter loaded for a request on its way is kept until it arrives, and one evicted meanwhile is
+    loaded again; every answer is the adapter's own, as one request at a time gives it."""
+    names = ["sql", "poet", "pirate", "chef"]
+    params = SamplingParams(max_tokens=6, temperature=0.0)
+
+    def backend(max_cpu_loras):
+        return TorchBackend(ServiceConfig(model=str(smollm2_dir), lora_roots=[str(lora_root)],
+                                          max_cpu_loras=max_cpu_loras, kv_cache_config={"max_tokens": 4096}), {})
+
+    async def answer(b, name):
+        tokens = []
+        async for out in b.generate(f"r-{name}", [1, 2, 3, 4, 5], params,
+                                    AdapterRef(name, str(lora_root / name), "lora_path")):
+            tokens += out.outputs[0].token_ids
+        return tokens
+
+    async def together(b):
+        return await asyncio.gather(*(answer(b, name) for name in names))
+
+    async def one_by_one(b):
+        return [await answer(b, name) for name in names]
+
+    small, roomy = backend(2), backend(8)
+    try:
+        got, want = asyncio.run(together(small)), asyncio.run(one_by_one(roomy))
+    finally:
+        small.shutdown()
+        roomy.shutdown()
+    assert got == want and len(set(map(tuple, want))) == len(names)

@@ -1,7 +1,7 @@
 """Where LoRA adapters may come from: names in the config, paths confined to configured roots.
 
-A path from a request is resolved (symlinks followed) and must land inside one of the roots; the
-check only inspects the path, so a refused file is never opened.
+A path from a request is resolved (symlinks followed) and must land inside one of the roots, and so
+must each file in it; the check only inspects paths, so a refused file is never opened.
 """
 from __future__ import annotations
 
@@ -37,6 +37,14 @@ class AdapterPolicy:
         if not candidate.is_absolute():
             candidate = self.roots[0] / candidate
         resolved = candidate.resolve()
-        if not any(resolved == root or root in resolved.parents for root in self.roots):
+        if not self._inside(resolved):
             raise InvalidRequestError(field, f"{path!r} is outside the configured adapter roots", status=403)
+        # The loader opens the files in it: one that links out of the roots is refused too.
+        for entry in resolved.iterdir() if resolved.is_dir() else ():
+            if not self._inside(entry.resolve()):
+                raise InvalidRequestError(field, f"{path!r} holds {entry.name!r}, which links outside the configured "
+                                                 "adapter roots", status=403)
         return str(resolved)
+
+    def _inside(self, resolved: Path) -> bool:
+        return any(resolved == root or root in resolved.parents for root in self.roots)

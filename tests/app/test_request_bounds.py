@@ -107,3 +107,20 @@ def test_a_replica_binds_a_name_once():
     assert err.value.status == 409 and err.value.field == "lora_path" and "/a" not in err.value.message
     table.unregister("x")
     assert table.resolve(AdapterRef("x", "/b"))[1] == "/b"
+
+
+def test_an_adapter_whose_files_link_out_of_the_roots_is_refused(tmp_path):
+    """The directory lay inside the root, its files linked to an adapter elsewhere: the loader
+    opened them. Each file must resolve inside the roots as well."""
+    root, elsewhere = tmp_path / "root", tmp_path / "elsewhere"
+    for folder in (root / "linked", root / "plain", elsewhere):
+        folder.mkdir(parents=True)
+    (elsewhere / "adapter_config.json").write_text("{}")
+    (root / "linked" / "adapter_config.json").symlink_to(elsewhere / "adapter_config.json")
+    (root / "plain" / "adapter_config.json").write_text("{}")
+    (root / "plain" / "inner.json").symlink_to(root / "plain" / "adapter_config.json")  # links within: fine
+    policy = AdapterPolicy([str(root)], {})
+    with pytest.raises(InvalidRequestError) as err:
+        policy.resolve(AdapterRef("x", "linked", "lora_path"))
+    assert err.value.status == 403 and "adapter_config.json" in err.value.message and str(elsewhere) not in str(err.value)
+    assert policy.resolve(AdapterRef("y", "plain", "lora_path")).path == str(root / "plain")

@@ -50,9 +50,11 @@ async def text_chunks(tokenizer: Tokenizer, job: TokenizedJob,
             if job.echo is not None and not echoed:
                 chunk.prompt, echoed = _prompt(tokenizer, job, out), True
             for c in out.outputs:
+                if c.index in ended:
+                    # Ended by a stop string (the engine may still be producing), or sent again,
+                    # empty, with the request's last output: it was finished and said so already.
+                    continue
                 detok = detoks.setdefault(c.index, IncrementalDetokenizer(tokenizer, job.stop))
-                if detok.stopped is not None:
-                    continue  # already ended by a stop string; the engine may still be producing
                 text = detok.push(c.token_ids)
                 finish, reason = c.finish_reason, c.stop_reason
                 if detok.stopped is not None:

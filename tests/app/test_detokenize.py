@@ -63,6 +63,15 @@ def test_an_output_the_engine_ended_counts_as_ended(tokenizer):
     assert given == 2 and chunks[-1].finished and _texts(chunks) == {0: "a", 1: "b "}
 
 
+def test_an_output_finished_earlier_is_not_finished_again(tokenizer):
+    """The engine's last output names every output's end, those that ended steps before too (with
+    no tokens): passed on, a tool call in one was parsed and sent twice (the openai client joined
+    them into invalid JSON) and its finish_reason repeated."""
+    chunks, _ = _run(tokenizer, 2, [[(0, "a", "stop"), (1, "b", None)], [(0, "", "stop"), (1, " c", "length")]])
+    assert [[(o.index, o.finish_reason) for o in c.outputs] for c in chunks] == [[(0, "stop"), (1, None)],
+                                                                                [(1, "length")]]
+
+
 def test_the_request_ends_once_every_output_hit_a_stop_string(tokenizer):
     chunks, given = _run(tokenizer, 2, [[(0, "a END", None), (1, "b", None)], [(1, " END c", None)],
                                         [(0, "never", None)], [(1, "read", "length")]])

@@ -249,9 +249,10 @@ class Ingress:
         return JSONResponse(body, status_code=status, headers=headers)
 
     async def _stream(self, job: GenerationJob, render, openai_style: bool, done_marker: bool = False,
-                      client_id: str | None = None, threaded: bool = False):
+                      client_id: str | None = None, threaded: bool = False, trailer=lambda: None):
         """First chunk awaited before answering, so early errors are proper 4xx responses. `threaded`:
-        chunks are rendered on a thread (large ones: logits)."""
+        chunks are rendered on a thread (large ones: logits). `trailer()`: an event after the last
+        chunk, if any (OpenAI's usage)."""
         chunks = self._chunks(job, client_id)
         try:
             first = await anext(chunks)
@@ -267,6 +268,8 @@ class Ingress:
                 yield _sse(await asyncio.to_thread(render, *first) if threaded else render(*first))
                 async for chunk, ids in chunks:
                     yield _sse(await asyncio.to_thread(render, chunk, ids) if threaded else render(chunk, ids))
+                if (last := trailer()) is not None:
+                    yield _sse(last)
                 if done_marker:
                     yield b"data: [DONE]\n\n"
             except Exception as exc:  # noqa: BLE001 - the status is sent: report in the stream
@@ -424,15 +427,16 @@ class Ingress:
             return self._error(exc, openai_style=True)
         choices = None if chat else openai.CompletionChoices(req)
         if req.stream:
+            state = openai.StreamState(req, job.request_id, self.name, chat)
             return await self._stream(
-                job, lambda chunk, ids: openai.completion_response(job.request_id, self.name, chunk, chat, True,
+                job, lambda chunk, ids: openai.completion_response(job.request_id, self.name, chunk, chat, state,
                                                                    calls, choices),
-                openai_style=True, done_marker=True)
+                openai_style=True, done_marker=True, trailer=state.usage_chunk)
         try:
             chunk, _ = await self._whole(job)
         except Exception as exc:  # noqa: BLE001
             return self._error(exc, openai_style=True)
-        return openai.completion_response(job.request_id, self.name, chunk, chat, False, calls, choices)
+        return openai.completion_response(job.request_id, self.name, chunk, chat, None, calls, choices)
 
     @api.post("/v1/completions", openapi_extra=openapi.body(openai.CompletionRequest))
     async def completions(self, request: Request):

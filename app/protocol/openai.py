@@ -120,11 +120,13 @@ class ToolCall(BaseModel):
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    role: Literal["system", "user", "assistant", "tool"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]  # developer: OpenAI's newer system
     # Text parts are joined; other parts (images, audio) are refused. Null only beside tool_calls.
     content: str | list[TextPart] | None = None
+    name: str | None = Field(None, max_length=64)  # the participant's name, for templates that show it
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
+    refusal: None = None  # an earlier answer's refusal: clients send back null (a text is not supported)
 
     @field_validator("content", mode="before")
     @classmethod
@@ -340,7 +342,10 @@ def _template_messages(messages: list[ChatMessage]) -> list[dict]:
             raise InvalidRequestError(f"{where}.tool_calls", "belong to assistant messages")
         if (m.tool_call_id is None) == (m.role == "tool"):
             raise InvalidRequestError(f"{where}.tool_call_id", "is required on tool messages, and only there")
-        message = {"role": m.role, "content": m.text()}  # "" for null: templates concatenate content
+        # "" for null content: templates concatenate it
+        message = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+        if m.name is not None:
+            message["name"] = m.name
         for j, call in enumerate(m.tool_calls or ()):
             field = f"{where}.tool_calls.{j}.function.arguments"
             try:
@@ -422,18 +427,37 @@ class CompletionChoices:
                        tokens=self.prompt.tokens + o.tokens)
 
 
-def completion_response(job_id: str, model: str, chunk: TextChunk, chat: bool, stream: bool,
+class StreamState:
+    """What a streamed response keeps between its chunks, as OpenAI's: one `created`, a choice's role
+    in its first delta only, and the usage of the whole stream, sent after the last chunk in one of
+    its own (no choices) where stream_options.include_usage asks, and not at all otherwise."""
+
+    def __init__(self, req: _Request, job_id: str, model: str, chat: bool):
+        self.header = {"id": job_id, "object": "chat.completion.chunk" if chat else "text_completion",
+                       "created": int(time.time()), "model": model}
+        self.include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        self.started: set[int] = set()  # choices whose first delta went out
+        self.generated = 0  # tokens of every chunk so far
+        self.usage: dict | None = None
+
+    def usage_chunk(self) -> dict | None:
+        return {**self.header, "choices": [], "usage": self.usage} if self.include_usage else None
+
+
+def completion_response(job_id: str, model: str, chunk: TextChunk, chat: bool, stream: StreamState | None = None,
                         calls: tools.ToolCallStream | None = None, completion: CompletionChoices | None = None) -> dict:
-    """A whole response (stream=False) or one SSE chunk (stream=True) in OpenAI's shape; `calls`
-    (one per response) turns a chat output's tool calls into message.tool_calls, `completion` (one
-    per response) makes a completion's choices of the engine's outputs."""
+    """A whole response, or with `stream` (one per response) one SSE chunk, in OpenAI's shape;
+    `calls` (one per response) turns a chat output's tool calls into message.tool_calls,
+    `completion` (one per response) makes a completion's choices of the engine's outputs."""
     if completion is not None:
         chunk = completion(chunk)
     choices = []
     for o in chunk.outputs:
         finish = o.finish_reason if o.finish_reason != "abort" else None
         if chat:
-            message = {"role": "assistant", "content": o.text}
+            message = {"content": o.text}
+            if stream is None or o.index not in stream.started:
+                message = {"role": "assistant", **message}
             if calls is not None:
                 message["content"], found = calls.push(o.index, o.text, chunk.finished or o.finish_reason is not None)
                 if found:
@@ -441,6 +465,8 @@ def completion_response(job_id: str, model: str, chunk: TextChunk, chat: bool, s
                     message["tool_calls"] = [{"index": k, **c} for k, c in enumerate(found)] if stream else found
                     finish = "tool_calls"
             choice = {"index": o.index, "delta" if stream else "message": message, "finish_reason": finish}
+            if stream is not None:
+                stream.started.add(o.index)
             if o.logprobs is not None:
                 choice["logprobs"] = {"content": [
                     {**_token(t.text, t.bytes, lp), "top_logprobs": [_token(*alt) for alt in t.top]}
@@ -449,13 +475,14 @@ def completion_response(job_id: str, model: str, chunk: TextChunk, chat: bool, s
             choice = {"index": o.index, "text": o.text, "finish_reason": finish,
                       "logprobs": _completion_logprobs(o) if o.logprobs is not None else None}
         choices.append(choice)
-    obj = "chat.completion" if chat else "text_completion"
-    out = {"id": job_id, "object": obj + (".chunk" if stream and chat else ""), "created": int(time.time()),
-           "model": model, "choices": choices}
-    if not stream or chunk.finished:
+    if stream is None:
         generated = chunk.metrics.num_output_tokens if chunk.metrics else sum(len(o.token_ids) for o in chunk.outputs)
-        out["usage"] = _usage(chunk, generated)
-    return out
+        return {"id": job_id, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
+                "model": model, "choices": choices, "usage": _usage(chunk, generated)}
+    stream.generated += sum(len(o.token_ids) for o in chunk.outputs)
+    if chunk.finished:  # without the engine's count (a stop string ended it here): what the chunks carried
+        stream.usage = _usage(chunk, chunk.metrics.num_output_tokens if chunk.metrics else stream.generated)
+    return {**stream.header, "choices": choices, **({"usage": None} if stream.include_usage else {})}
 
 
 def _token(text: str, raw: bytes, logprob: float) -> dict:

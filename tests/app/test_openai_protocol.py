@@ -13,7 +13,8 @@ from app.config import ServiceConfig
 from app.engine import InvalidRequestError
 from app.protocol import tools
 from app.protocol.messages import PromptText, TextChunk, TextOutput, TokenText, merge_chunks
-from app.protocol.openai import CompletionChoices, completion_response, parse_chat, parse_completion, tool_calls
+from app.protocol.openai import (CompletionChoices, StreamState, completion_response, parse_chat, parse_completion,
+                                 tool_calls)
 
 BASE = {"model": "m", "prompt": "Hi"}
 CHAT_ONE = {"model": "m", "messages": [{"role": "user", "content": "Hi"}]}
@@ -84,7 +85,7 @@ def _logprob_output(index: int = 0) -> TextOutput:
 
 def test_chat_logprobs_carry_token_text_bytes_and_alternatives():
     chunk = TextChunk([_logprob_output()], True, 3)
-    (choice,) = completion_response("id", "m", chunk, True, False)["choices"]
+    (choice,) = completion_response("id", "m", chunk, True)["choices"]
     first, second = choice["logprobs"]["content"]
     assert first == {"token": " café", "logprob": -0.1, "bytes": [32, 99, 97, 102, 195, 169], "top_logprobs": [
         {"token": " café", "logprob": -0.1, "bytes": [32, 99, 97, 102, 195, 169]},
@@ -95,7 +96,7 @@ def test_chat_logprobs_carry_token_text_bytes_and_alternatives():
 
 def test_completion_logprobs_take_the_legacy_shape():
     chunk = TextChunk([_logprob_output()], True, 3)
-    (choice,) = completion_response("id", "m", chunk, False, False)["choices"]
+    (choice,) = completion_response("id", "m", chunk, False)["choices"]
     assert choice["text"] == " café"
     assert choice["logprobs"] == {
         "tokens": [" café", "\ufffd"], "token_logprobs": [-0.1, -1.2], "text_offset": [0, 5],
@@ -111,7 +112,8 @@ PROMPT = PromptText("Say", [TokenText("S", b"S", 0, []), TokenText("ay", b"ay", 
 def _echo(body: dict, chunks: list[TextChunk], stream: bool = False) -> list[dict]:
     job, req = parse_completion({**BASE, "echo": True, **body}, 16)
     choices = CompletionChoices(req)
-    return [completion_response("id", "m", c, False, stream, completion=choices) for c in chunks]
+    state = StreamState(req, "id", "m", False) if stream else None
+    return [completion_response("id", "m", c, False, state, completion=choices) for c in chunks]
 
 
 def test_echo_puts_the_prompt_and_its_logprobs_first():
@@ -169,7 +171,7 @@ def test_best_of_generates_more_and_returns_the_likeliest():
     assert job.params.n == 4
     outputs = [TextOutput(i, f"t{i}", [i], None, lp, "length") for i, lp in enumerate([-3.0, -1.0, -4.0, -2.0])]
     _, req = parse_completion({**BASE, "best_of": 4, "n": 2}, 16)
-    out = completion_response("id", "m", TextChunk(outputs, True, 2), False, False, completion=CompletionChoices(req))
+    out = completion_response("id", "m", TextChunk(outputs, True, 2), False, completion=CompletionChoices(req))
     assert [(c["index"], c["text"]) for c in out["choices"]] == [(0, "t1"), (1, "t3")]
 
 
@@ -207,9 +209,6 @@ def test_chat_text_parts_join_and_other_parts_are_refused():
         parse_chat({"model": "m", "messages": [{"role": "user", "content": [
             {"type": "image_url", "image_url": {"url": "http://x"}}]}]}, 16)
     assert err.value.field == "messages.0.content" and "image_url" in err.value.message
-    with pytest.raises(InvalidRequestError) as err:
-        parse_chat({"model": "m", "messages": [{"role": "user", "content": "hi", "name": "bob"}]}, 16)
-    assert err.value.field == "messages.0.name"
 
 
 @pytest.mark.parametrize("extra, kind, spec, field", [
@@ -291,8 +290,9 @@ def test_malformed_calls_are_not_parsed(parser, text):
 def _chunks(req_body: dict, deltas: list[str], parser="hermes", stream=True) -> list[dict]:
     _, req = parse_chat(req_body, 16)
     calls = tool_calls(req, parser)
+    state = StreamState(req, "id", "m", True) if stream else None
     return [completion_response("id", "m", TextChunk([TextOutput(0, d, [1], None, 0.0, "stop" if last else None)],
-                                                     last, 3), True, stream, calls=calls)["choices"][0]
+                                                     last, 3), True, state, calls=calls)["choices"][0]
             for last, d in ((i == len(deltas) - 1, d) for i, d in enumerate(deltas))]
 
 
@@ -410,3 +410,34 @@ def test_a_template_without_tools_gets_them_as_text_and_a_tool_aware_one_as_they
                                                           '\n</tool_call>'}
     native = "{% for t in tools %}{% endfor %}{{ message.tool_calls }}"
     assert tools.for_template(job.messages, job.tools, native, "hermes") == (job.messages, job.tools)
+
+
+def test_a_stream_keeps_created_sends_the_role_once_and_usage_only_when_asked():
+    chunks = [TextChunk([TextOutput(0, "Hel", [1], None, 0.0), TextOutput(1, "Yo", [2, 3], None, 0.0)], False, 3),
+              TextChunk([TextOutput(0, "lo", [4], None, 0.0, "stop")], True, 3)]  # no metrics: a stop string ended it
+    for include in (False, True):
+        _, req = parse_chat({**CHAT_ONE, "n": 2, "stream": True, "stream_options": {"include_usage": include}}, 16)
+        state = StreamState(req, "id", "m", True)
+        out = [completion_response("id", "m", c, True, state) for c in chunks]
+        roles = [[c["delta"].get("role") for c in o["choices"]] for o in out]
+        assert roles == [["assistant", "assistant"], [None]] and out[0]["created"] == out[1]["created"]
+        trailer = state.usage_chunk()
+        if include:
+            assert all(o["usage"] is None for o in out) and trailer["choices"] == []
+            assert trailer["usage"] == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
+        else:
+            assert all("usage" not in o for o in out) and trailer is None
+
+
+def test_history_fields_clients_send_back_are_taken():
+    """LangChain-style histories: a developer message (OpenAI's newer system), a participant's name,
+    an earlier answer's null refusal. A refusal with text is refused by name."""
+    job, _ = parse_chat({"model": "m", "messages": [
+        {"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Hi", "name": "bob"},
+        {"role": "assistant", "content": "Hello", "refusal": None}, {"role": "user", "content": "Bye"}]}, 16)
+    assert job.messages[:3] == [{"role": "system", "content": "Be brief."},
+                                {"role": "user", "content": "Hi", "name": "bob"},
+                                {"role": "assistant", "content": "Hello"}]
+    with pytest.raises(InvalidRequestError) as err:
+        parse_chat({"model": "m", "messages": [{"role": "assistant", "content": "x", "refusal": "no"}]}, 16)
+    assert err.value.field == "messages.0.refusal"

@@ -267,7 +267,8 @@ def _stream(url: str) -> dict:
     """One greedy /v1/completions stream: its status, text, finish, usage, [DONE] and any error event."""
     import httpx
 
-    body = {"model": "smollm2-135m", "prompt": PROMPT, "max_tokens": LOAD_TOKENS, "temperature": 0, "stream": True}
+    body = {"model": "smollm2-135m", "prompt": PROMPT, "max_tokens": LOAD_TOKENS, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
     seen = {"status": None, "text": "", "finish_reason": None, "completion_tokens": None, "done": False, "error": None}
     try:
         with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:  # a hang is a ReadTimeout
@@ -281,7 +282,7 @@ def _stream(url: str) -> dict:
                     for choice in chunk.get("choices", []):
                         seen["text"] += choice["text"]
                         seen["finish_reason"] = choice["finish_reason"] or seen["finish_reason"]
-                    if "usage" in chunk:
+                    if chunk.get("usage"):
                         seen["completion_tokens"] = chunk["usage"]["completion_tokens"]
     except httpx.HTTPError as exc:
         seen["error"] = repr(exc)

@@ -29,6 +29,34 @@ def test_chat_stream_equals_whole(client):
     assert "".join(parts) == whole
 
 
+def test_a_chat_stream_assembles_as_openai_s_and_usage_comes_when_asked(client):
+    """Through the openai client's own accumulator: the role in a choice's first delta only (in
+    every one, it came out 'assistantassistant...'), one `created`, and usage only with
+    stream_options.include_usage, in a last chunk of its own; counted whole when a stop string
+    ends the answer (the last chunk's tokens alone, before)."""
+    from openai.lib.streaming.chat import ChatCompletionStreamState
+
+    kwargs = dict(model="smollm2-135m", temperature=0, max_tokens=40,
+                  messages=[{"role": "user", "content": "What is the capital of France?"}])
+    whole = client.chat.completions.create(**kwargs)
+    plain = list(client.chat.completions.create(stream=True, **kwargs))
+    assert all(c.usage is None for c in plain) and len({c.created for c in plain}) == 1
+    assert [bool(c.choices[0].delta.role) for c in plain if c.choices] == [True] + [False] * (len(plain) - 1)
+    state = ChatCompletionStreamState()
+    for chunk in plain:
+        state.handle_chunk(chunk)
+    message = state.get_final_completion().choices[0].message
+    assert message.role == "assistant" and message.content == whole.choices[0].message.content
+    asked = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs))
+    assert asked[-1].choices == [] and asked[-1].usage.completion_tokens == whole.usage.completion_tokens
+    stop = whole.choices[0].message.content.split()[-1]  # "Paris.": a stop string on the last word
+    cut = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, stop=[stop],
+                                              **kwargs))
+    assert "".join(c.choices[0].delta.content or "" for c in cut if c.choices) == \
+        whole.choices[0].message.content[:-len(stop)]
+    assert cut[-1].usage.completion_tokens >= whole.usage.completion_tokens - 2
+
+
 def test_completion_stop_n_seed_logprobs(client):
     r = client.completions.create(model="smollm2-135m", prompt="The weather today is", max_tokens=12,
                                   temperature=1.0, seed=7, n=2, logprobs=1)

@@ -41,7 +41,8 @@ def _request(route: str, model: str, prompt: list[int], max_tokens: int, wl: Wor
             "name": "bench", "schema": _schema(wl.guide)}}} if wl.guide else {}
         return "/v1/completions", {"model": model, "prompt": prompt, "max_tokens": max_tokens,
                                    "temperature": wl.temperature, "top_p": wl.top_p,
-                                   "ignore_eos": wl.ignore_eos, "stream": True, **guide}
+                                   "ignore_eos": wl.ignore_eos, "stream": True,
+                                   "stream_options": {"include_usage": True}, **guide}
     guide = {"guided_decoding_guide_type": "json_schema", "guided_decoding_guide": wl.guide} if wl.guide else {}
     return "/v2/models/tensorrt_llm/generate_stream", {
         "input_ids": prompt, "request_output_len": max_tokens, "exclude_input_in_output": True,
@@ -75,8 +76,11 @@ async def _one(session: aiohttp.ClientSession, url: str, route: str, model: str,
             if "error" in event:
                 raise RuntimeError(f"stream error: {event['error']}")
             n = _tokens_in(event, route)
-            if "usage" in event:
+            if event.get("usage"):  # the stream's own chunk after the last (null in the others)
                 n = event["usage"]["completion_tokens"] - tokens
+                if not event.get("choices") and stamps:  # the tokens it counts came with the chunks before
+                    tokens += n
+                    continue
             if n:
                 stamps.append(time.perf_counter())
                 first = first or time.time()

@@ -69,8 +69,8 @@ class LLMEngine:
         self.block_manager = BlockManager(self.runner.num_blocks, kv.tokens_per_block, kv.enable_block_reuse)
         self._seq_ids = itertools.count()
         self._adapter_loads: dict[str, int] = {}  # name -> which registration of it is loaded
-        # Adapters loaded for a request that has not arrived yet (it is on its way from the serving
-        # layer), when: no other load evicts them before it does, or until FRESH_LOAD_S passes.
+        # Adapters loaded for requests still on their way from the serving layer, and when: no other
+        # load evicts them until one of those requests arrives, or FRESH_LOAD_S passes.
         self._fresh_loads: dict[str, float] = {}
         self._load_ids = itertools.count(1)
         spec = config.speculative_config

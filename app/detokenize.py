@@ -73,6 +73,8 @@ async def text_chunks(tokenizer: Tokenizer, job: TokenizedJob,
             # Every output the request asked for, not only those seen so far: a sibling may not have
             # sent its first tokens yet (admitted later, or holding back a possible stop prefix).
             chunk.finished = chunk.finished or len(ended) == job.params.n
+            if not (chunk.outputs or chunk.finished or chunk.prompt is not None or chunk.context_logits is not None):
+                continue  # only outputs that had ended already: nothing to say
             yield chunk
             if chunk.finished:
                 return

@@ -280,14 +280,14 @@ def generate_response(model: str, req: TritonGenerateRequest, chunk: TextChunk, 
     cum = [o.cumulative_logprob for o in chunk.outputs]
     out["cum_log_probs"] = cum[0] if len(cum) == 1 else cum
     out["output_log_probs"] = [lp for o in chunk.outputs for lp in (o.logprobs or [])] if req.return_log_probs \
-        else [0.0] * len(chunk.outputs[0].token_ids)
+        else [0.0] * sum(len(o.token_ids) for o in chunk.outputs)
     indices = [o.index for o in chunk.outputs]  # TensorRT-LLM's: which of the request's outputs each is
     out.update(batch_index=0, sequence_index=indices[0] if len(indices) == 1 else indices, sequence_start=False,
                sequence_end=final, sequence_id=0)
-    reason = chunk.outputs[0].finish_reason
-    if reason is not None:
-        out["finish_reason"] = reason
-        out["stop_reason"] = chunk.outputs[0].stop_reason
+    first = chunk.outputs[0] if chunk.outputs else None  # none: a last chunk whose outputs all ended before
+    if first is not None and first.finish_reason is not None:
+        out["finish_reason"] = first.finish_reason
+        out["stop_reason"] = first.stop_reason
     if req.return_context_logits and chunk.context_logits is not None:  # with the first chunk
         out["context_logits"] = chunk.context_logits
     if req.return_generation_logits:  # each output's rows (none where it has no new token)

@@ -148,3 +148,11 @@ def test_to_json_prints_like_json_dumps_and_non_finite_values_as_null():
     values = json.loads(to_json(obj))["c"][0]["d"]
     assert np.array(values, np.float32).tolist() == np.array([1.0, 0.1, -2e-9], np.float32).tolist()
     assert json.loads(to_json(np.array([1.0, math.inf, math.nan], np.float32))) == [1.0, None, None]
+
+
+def test_a_last_chunk_without_outputs_is_answered():
+    """With n > 1 every output may have ended before the request's last chunk, which then carries
+    none: reading its first output was an IndexError (a 500, or an error event ending the stream)."""
+    _, req = _parse({"text_input": "hi", "num_return_sequences": 2, "temperature": 0.5})
+    out = generate_response("ensemble", req, TextChunk([], True, 1), "hi", [1], final=True)
+    assert out["sequence_end"] and out["text_output"] == [] and "finish_reason" not in out

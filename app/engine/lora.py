@@ -251,6 +251,8 @@ class LoRACache:
         if not rows_by_adapter:
             return None
         names = tuple(sorted(rows_by_adapter))
+        for name in names:  # the host cache evicts the least recently used (every rank runs this step alike)
+            self.host.move_to_end(name)
         resident = [self._resident(name, set(names)) for name in names]
         if self.slots is not None:
             row_slots = [0] * num_tokens  # 0: no adapter

@@ -134,6 +134,19 @@ def test_a_name_registered_again_never_reuses_the_old_weights_kv(tiny_llama_dir,
     assert engine.stats().reused_blocks_total > reused  # the new weights' own blocks are reused
 
 
+def test_the_host_cache_evicts_the_least_recently_used(tiny_llama_dir, adapter_dirs, expected, monkeypatch):
+    """Used since b was registered, a stays and b goes when c comes (the order was registration's
+    alone: the adapter in use most was the first to go)."""
+    monkeypatch.setattr("app.engine.llm_engine.FRESH_LOAD_S", 0.0)  # b's request never comes
+    prompts, out = expected
+    engine = make_engine(tiny_llama_dir, max_cpu_loras=2, max_loras=2)
+    engine.add_lora("a", adapter_dirs["a"])
+    engine.add_lora("b", adapter_dirs["b"])
+    assert _run(engine, prompts, [(0, "a")], [0]) == [out[(0, "a")]]
+    engine.add_lora("c", adapter_dirs["c"])
+    assert list(engine.runner.loras.host) == ["a", "c"]
+
+
 def test_unknown_adapter_and_bad_paths_are_refused(tiny_llama_dir, tmp_path):
     engine = make_engine(tiny_llama_dir)
     with pytest.raises(InvalidRequestError, match="not loaded"):

@@ -2,9 +2,10 @@
 
 The selection rule is transformers' (generation/utils.py, _beam_search): each step keeps the
 2 * width best (beam, token) continuations by cumulative log-prob; those among the first `width`
-that end (end id, a stop sequence's last token, or max_tokens) enter the finished list with score / length ** length_penalty;
-the best `width` that do not end run on. The search stops when no running beam can beat the
-worst of `width` finished ones (transformers' early_stopping=False heuristic).
+that end (end id, a stop sequence's last token, or max_tokens) enter the finished list with
+score / length ** length_penalty; the best `width` that do not end run on. The search stops when
+no running beam can beat the worst of `width` finished ones (transformers' early_stopping=False
+heuristic).
 """
 from __future__ import annotations
 
@@ -87,6 +88,7 @@ def _stop_ended(seq: Sequence, token: int) -> list[int] | None:
     if n_out < p.min_tokens:
         return None
     for stop in p.stop_token_ids:
-        if len(stop) <= n_out and stop[-1] == token and seq.token_ids[len(seq.token_ids) - len(stop) + 1:] == stop[:-1]:
+        before = seq.token_ids[len(seq.token_ids) - len(stop) + 1:]  # what the stop's other tokens must match
+        if len(stop) <= n_out and stop[-1] == token and before == stop[:-1]:
             return stop
     return None

@@ -31,7 +31,8 @@ LOGITS_OUTPUTS = ("context_logits", "generation_logits")  # float32 numpy arrays
 # TensorRT-LLM's perf metrics outputs -> RequestMetrics' fields
 PERF_OUTPUTS = {
     "kv_cache_reused_block": "kv_cache_reused_blocks", "kv_cache_hit_rate": "kv_cache_hit_rate",
-    "kv_cache_alloc_new_blocks": "kv_cache_alloc_new_blocks", "kv_cache_alloc_total_blocks": "kv_cache_alloc_total_blocks",
+    "kv_cache_alloc_new_blocks": "kv_cache_alloc_new_blocks",
+    "kv_cache_alloc_total_blocks": "kv_cache_alloc_total_blocks",
     "arrival_time_ns": "arrival_time_ns", "first_scheduled_time_ns": "first_scheduled_time_ns",
     "first_token_time_ns": "first_token_time_ns", "last_token_time_ns": "last_token_time_ns",
     "acceptance_rate": "acceptance_rate", "total_accepted_draft_tokens": "total_accepted_draft_tokens",

@@ -91,7 +91,8 @@ def test_infer_refuses_an_output_the_model_does_not_have():
     with pytest.raises(InvalidRequestError) as err:
         infer_to_generate_body({"inputs": [tensor], "outputs": [{"name": "text_output"}, {"name": "txt_output"}]})
     assert err.value.field == "outputs.1.name" and "txt_output" in str(err.value)
-    chunk = TextChunk([TextOutput(0, "x", [5], [-0.5], -0.5, "length", None)], True, 1, RequestMetrics(1, 2, 3, 4, 1, 1, 0, 1))
+    chunk = TextChunk([TextOutput(0, "x", [5], [-0.5], -0.5, "length", None)], True, 1,
+                      RequestMetrics(1, 2, 3, 4, 1, 1, 0, 1))
     _, req = _parse({"input_ids": [1], "return_perf_metrics": True, "return_log_probs": True}, model="tensorrt_llm")
     produced = generate_response("tensorrt_llm", req, chunk, "", [1], final=True)
     assert set(produced) - {"model_name", "model_version"} <= set(OUTPUTS)

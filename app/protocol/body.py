@@ -20,7 +20,8 @@ from app.engine.errors import InvalidRequestError
 MAX_DEPTH = 32  # the deepest route (chat messages, KServe tensors of lists) needs 5
 # A token id as a client sends it: an integer (not true, 1.0 or "1"), in a range every tokenizer can
 # decode (the engine then checks the model's vocabulary); -1 made the echo's decode raise.
-TokenId = Annotated[int, Strict(), Field(ge=0, lt=2 ** 31)]
+TOKEN_ID_LIMIT = 2 ** 31
+TokenId = Annotated[int, Strict(), Field(ge=0, lt=TOKEN_ID_LIMIT)]
 
 
 def parse_body(raw: bytes, max_depth: int = MAX_DEPTH) -> Any:

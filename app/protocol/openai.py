@@ -13,7 +13,7 @@ from app.engine.errors import InvalidRequestError
 from app.engine.guided import Guide
 from app.engine.sampling_params import SamplingParams
 from app.protocol import tools
-from app.protocol.body import TokenId, parse_body
+from app.protocol.body import TOKEN_ID_LIMIT, TokenId, parse_body
 from app.protocol.messages import GenerationJob, PromptText, TextChunk, TextOutput
 
 
@@ -89,7 +89,7 @@ class CompletionRequest(_Request):
         error named its first member: "prompt.str: Input should be a valid string")."""
         if isinstance(v, list) and v and not isinstance(v[0], str):
             for i, t in enumerate(v):
-                if type(t) is not int or not 0 <= t < 2 ** 31:
+                if type(t) is not int or not 0 <= t < TOKEN_ID_LIMIT:
                     raise ValueError(f"token ids are integers in [0, 2**31); item {i} is {t!r}")
         return v
 

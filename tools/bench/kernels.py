@@ -231,6 +231,42 @@ def lora(rows: int, outs: list[int], width: int, rank: int = 16) -> None:
          copy_us=_graph_us(base.clone))
 
 
+def lora_launch(rows: int, adapters: int, outs: list[int], width: int, rank: int = 16) -> None:
+    """One adapted linear of the 8B shape with `rows` spread over `adapters` slots (work items padded
+    as a decode graph pads them), the shrink + expand under each launch setting (Launch): the shrink's
+    over a grid, then the expand's one at a time, replayed from graphs; errors against the default's."""
+    from types import SimpleNamespace
+
+    from app.engine.lora import LoRASlots, max_work_items
+    from app.engine.models.triton_lora import Launch, add_lora
+
+    n = sum(outs)
+    offsets = [sum(outs[:i]) for i in range(len(outs))]
+    a = torch.randn(adapters + 1, len(outs) * rank, width, device="cuda", dtype=torch.bfloat16) * width ** -0.5
+    b = torch.randn(adapters + 1, n, rank, device="cuda", dtype=torch.bfloat16) * rank ** -0.5
+    x = torch.randn(rows, width, device="cuda", dtype=torch.bfloat16)
+    y = torch.zeros(rows, n, device="cuda", dtype=torch.bfloat16)  # the timed runs add into it
+    slots = SimpleNamespace(num_slots=adapters)
+    batch = LoRASlots.batch(slots, [1 + i % adapters for i in range(rows)], x.device, max_work_items(rows, adapters))
+    settings = [Launch(block_k=k, programs=p, shrink_warps=w) for k in (64, 128, 256) for p in (256, 512, 1024)
+                for w in (4, 8)]
+    settings += [Launch(block_n=bn, expand_warps=w) for bn in (0, 128, 64, 32) for w in (4, 8) if (bn, w) != (0, 4)]
+    ref = add_lora(x, torch.zeros_like(y), a, b, offsets, batch.order, batch.items, batch.block_m).float()
+    fields = dict(kernel="lora_launch", rows=rows, adapters=adapters, outs=n, width=width, rank=rank,
+                  items=batch.items.shape[0])
+    for launch in settings:
+        def run():
+            return add_lora(x, y, a, b, offsets, batch.order, batch.items, batch.block_m, launch)
+        err = _rel_err(add_lora(x, torch.zeros_like(y), a, b, offsets, batch.order, batch.items, batch.block_m, launch),
+                       ref)
+        key = "k{}p{}w{}_n{}w{}".format(launch.block_k, launch.programs, launch.shrink_warps, launch.block_n,
+                                        launch.expand_warps)
+        fields[key + "_us"] = _graph_us(run)
+        if err > 1e-2:
+            fields[key + "_err"] = err
+    _row(**fields)
+
+
 def lora_beside(rows: int, layers: int = 32) -> None:
     """A decode step's adapted linears at the 8B shape (one layer's weights, run `layers` times), one
     rank-16 adapter on every row, replayed from a graph: the base matmuls alone; with the adapter
@@ -277,6 +313,12 @@ def _loras() -> None:
     for rows in (1, 4, 16):
         for outs, width in (([4096, 1024, 1024], 4096), ([4096], 4096), ([14336, 14336], 4096), ([4096], 14336)):
             _attempt(lora, rows, outs, width)
+
+
+def _lora_launches() -> None:
+    for adapters in (8, 64):
+        for outs, width in (([4096, 1024, 1024], 4096), ([4096], 4096), ([14336, 14336], 4096), ([4096], 14336)):
+            _attempt(lora_launch, 256, adapters, outs, width)
 
 
 def _fp8s() -> None:
@@ -326,7 +368,7 @@ def _lora_besides() -> None:
 
 
 SECTIONS = {"decode": _decodes, "add_norm": _add_norms, "prefill": _prefills, "moe": _moes, "fp8": _fp8s, "lora": _loras,
-            "lora_beside": _lora_besides}
+            "lora_beside": _lora_besides, "lora_launch": _lora_launches}
 
 
 def main() -> None:

@@ -2,6 +2,7 @@
 stop strings applied and each output's tokens spelled out where logprobs were asked for."""
 from __future__ import annotations
 
+import codecs
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 
@@ -10,19 +11,36 @@ from app.protocol.messages import PromptText, TextChunk, TextOutput, TokenizedJo
 from app.text import IncrementalDetokenizer, Tokenizer
 
 
+class TextOffsets:
+    """Where each token of one text starts in it (OpenAI's text_offset): the characters the text has
+    before the token. The tokens' bytes go through an incremental UTF-8 decoder, so a character split
+    over tokens counts once, at the token that completes it; special tokens, which the text leaves
+    out (decode skips them), count nothing."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.tokenizer = tokenizer
+        self.chars = 0
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def advance(self, token_id: int, raw: bytes) -> int:
+        """The token's offset; the count then moves past it."""
+        start = self.chars
+        if token_id not in self.tokenizer.special_ids:
+            self.chars += len(self._utf8.decode(raw))
+        return start
+
+
 def token_texts(tokenizer: Tokenizer, token_ids: list[int], top_logprobs: list | None,
-                offset: int) -> tuple[list[TokenText], int]:
+                offsets: TextOffsets) -> list[TokenText]:
     """Each token decoded on its own (Tokenizer.token_piece), with its alternatives if asked
-    (`top_logprobs`, aligned with the tokens; None where there are none); `offset` is where the
-    first starts, and the offset after the last comes back."""
+    (`top_logprobs`, aligned with the tokens; None where there are none) and its offset in the text."""
     tokens = []
     for i, token_id in enumerate(token_ids):
         text, raw = tokenizer.token_piece(token_id)
         ids, values = (top_logprobs and top_logprobs[i]) or ((), ())
         top = [(*tokenizer.token_piece(t), value) for t, value in zip(ids, values)]
-        tokens.append(TokenText(text, raw, offset, top))
-        offset += len(text)
-    return tokens, offset
+        tokens.append(TokenText(text, raw, offsets.advance(token_id, raw), top))
+    return tokens
 
 
 def _prompt(tokenizer: Tokenizer, job: TokenizedJob, out: RequestOutput) -> PromptText:
@@ -30,7 +48,7 @@ def _prompt(tokenizer: Tokenizer, job: TokenizedJob, out: RequestOutput) -> Prom
     with its first output)."""
     if out.prompt_logprobs is None:
         return PromptText(job.echo)
-    tokens, _ = token_texts(tokenizer, job.prompt_token_ids, out.prompt_top_logprobs, 0)
+    tokens = token_texts(tokenizer, job.prompt_token_ids, out.prompt_top_logprobs, TextOffsets(tokenizer))
     return PromptText(job.echo, tokens, out.prompt_logprobs)
 
 
@@ -41,7 +59,7 @@ async def text_chunks(tokenizer: Tokenizer, job: TokenizedJob,
     upstream, that cancels the engine's request."""
     detoks: dict[int, IncrementalDetokenizer] = {}
     ended: set[int] = set()  # outputs that are over, by a stop string or as the engine ended them
-    offsets: dict[int, int] = {}  # characters of each output's token texts so far
+    offsets: dict[int, TextOffsets] = {}  # where each output's next token starts in its text
     echoed = False
     async with aclosing(outputs):
         async for out in outputs:
@@ -66,8 +84,8 @@ async def text_chunks(tokenizer: Tokenizer, job: TokenizedJob,
                     ended.add(c.index)
                 tokens = None
                 if c.logprobs is not None:
-                    tokens, offsets[c.index] = token_texts(tokenizer, c.token_ids, c.top_logprobs,
-                                                           offsets.get(c.index, 0))
+                    tokens = token_texts(tokenizer, c.token_ids, c.top_logprobs,
+                                         offsets.setdefault(c.index, TextOffsets(tokenizer)))
                 chunk.outputs.append(TextOutput(c.index, text, c.token_ids, c.logprobs, c.cumulative_logprob,
                                                 finish, reason, tokens, c.generation_logits))
             # Every output the request asked for, not only those seen so far: a sibling may not have

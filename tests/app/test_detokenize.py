@@ -78,3 +78,38 @@ def test_the_request_ends_once_every_output_hit_a_stop_string(tokenizer):
     assert given == 2 and chunks[-1].finished  # leaving cancels the engine's request upstream
     assert _texts(chunks) == {0: "a ", 1: "b "}
     assert [(o.index, o.finish_reason, o.stop_reason) for o in chunks[-1].outputs] == [(1, "stop", "END")]
+
+
+def test_text_offsets_point_into_the_text_with_split_characters_and_special_tokens(tokenizer):
+    """OpenAI's text_offset: where each token starts in the text. Characters split over tokens
+    (accents, CJK, an emoji) count once, and a special token in an echoed prompt, which the echo's
+    text leaves out, counts nothing. Checked against the tokenizer: from a token that starts a
+    character, the text from its offset on is the decode of the tokens from it on."""
+    text = "Café au lait, 日本語 and 🙂 twice: 🙂."
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    split = [tokenizer.token_piece(i)[1] for i in ids]
+    assert any(raw and raw[0] >> 6 == 0b10 for raw in split), "the text must split a character over tokens"
+    special = tokenizer.hf.all_special_ids[0]
+    prompt_ids = [special, *tokenizer.encode("Say: ", add_special_tokens=False)]
+    job = TokenizedJob("r", prompt_ids, SamplingParams(logprobs=0, prompt_logprobs=0), stop=[],
+                       echo=tokenizer.decode(prompt_ids))
+
+    async def engine():
+        yield RequestOutput("r", [CompletionOutput(0, ids[:5], [0.0] * 5, 0.0)], finished=False,
+                            prompt_logprobs=[None] + [0.0] * (len(prompt_ids) - 1))
+        yield RequestOutput("r", [CompletionOutput(0, ids[5:], [0.0] * (len(ids) - 5), 0.0, "length")], finished=True)
+
+    async def collect():
+        return [chunk async for chunk in text_chunks(tokenizer, job, engine())]
+
+    chunks = asyncio.run(collect())
+    tokens = [t for chunk in chunks for out in chunk.outputs for t in out.tokens]
+    assert _texts(chunks)[0] == text and len(tokens) == len(ids)
+    for i, (token, raw) in enumerate(zip(tokens, split)):
+        if raw and raw[0] >> 6 != 0b10:  # starts a character
+            assert text[token.offset:] == tokenizer.decode(ids[i:]), (i, token)
+    assert [t.offset for t in tokens] == sorted(t.offset for t in tokens)
+    prompt = chunks[0].prompt
+    assert prompt.text == "Say: " and [t.offset for t in prompt.tokens][:2] == [0, 0]
+    for i, token in enumerate(prompt.tokens[1:], 1):
+        assert prompt.text[token.offset:] == tokenizer.decode(prompt_ids[i:])

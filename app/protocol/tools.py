@@ -5,11 +5,12 @@ config's `tool_call_parser` (auto: from the chat template's text):
 - hermes: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, a block per call, text around
   them (Hermes 2/3, Qwen 2.5);
 - llama3_json: the whole answer is `{"name": ..., "parameters": {...}}` (Llama 3.1-3.3), after an
-  optional `<|python_tag|>`; several calls joined by `;`.
+  optional `<|python_tag|>` or inside a Markdown code block; several calls joined by `;`.
 Under tool_choice required or a named function guided decoding holds the output to plain JSON
 instead (`Forced`): a list of `{"name", "arguments"}` calls, or the named function's arguments
 alone. The grammar then guarantees the parse whatever format the model was trained on.
-Output that does not parse into calls of the request's functions is returned as text.
+Output that does not parse into calls of the request's functions is returned as text; a Hermes
+block that is no such call stays in the text beside the calls that are.
 """
 from __future__ import annotations
 
@@ -26,10 +27,13 @@ def _json(text: str):
 
 
 def _call(obj, names: list[str]) -> dict | None:
-    """{"name", "arguments"} from a decoded call naming one of `names`; models write either key."""
+    """{"name", "arguments"} from a decoded call naming one of `names`; models write either key, and
+    some write the arguments as a JSON string (OpenAI's own wire form) rather than an object."""
     if not isinstance(obj, dict) or obj.get("name") not in names:
         return None
     args = obj.get("arguments", obj.get("parameters", {}))
+    if isinstance(args, str):
+        args = _json(args)
     return {"name": obj["name"], "arguments": args} if isinstance(args, dict) else None
 
 
@@ -47,10 +51,18 @@ class Hermes:
         return len(text) - partial
 
     def parse(self, text: str, names: list[str]) -> tuple[str, list[dict]] | None:
-        calls = [_call(_json(m.group(1)), names) for m in self.BLOCK.finditer(text)]
-        if not calls or None in calls:
-            return None
-        return self.BLOCK.sub("", text), calls
+        """The calls, and the text around them; a block that is no call of `names` (broken JSON, an
+        unknown function) stays in the text, so the caller sees what the model wrote."""
+        calls = []
+
+        def take(block: re.Match) -> str:
+            call = _call(_json(block.group(1)), names)
+            if call is None:
+                return block.group(0)
+            calls.append(call)
+            return ""
+        rest = self.BLOCK.sub(take, text)
+        return (rest, calls) if calls else None
 
     def render(self, calls: list[dict]) -> str:
         return "\n".join(f"<tool_call>\n{json.dumps(c, ensure_ascii=False)}\n</tool_call>" for c in calls)
@@ -59,13 +71,17 @@ class Hermes:
 class Llama3Json:
     TAG = "<|python_tag|>"  # a special token: usually dropped by detokenization already
     SEPARATOR = re.compile(r"\s*;?\s*")
+    FENCE = re.compile(r"```(?:json)?\s*(.*?)\s*```", re.S)  # the whole answer in a Markdown code block
 
     def start(self, text: str) -> int:
         head = text.lstrip()
-        return 0 if self.TAG.startswith(head) or head.startswith(("{", self.TAG)) else len(text)
+        opens = ("{", self.TAG, "```")
+        return 0 if any(o.startswith(head) for o in opens) or head.startswith(opens) else len(text)
 
     def parse(self, text: str, names: list[str]) -> tuple[str, list[dict]] | None:
         text = text.strip().removeprefix(self.TAG).lstrip()
+        if fenced := self.FENCE.fullmatch(text):
+            text = fenced.group(1)
         decoder, calls, at = json.JSONDecoder(), [], 0
         while at < len(text):
             try:

@@ -267,6 +267,16 @@ CHAT = {"model": "m", "messages": [{"role": "user", "content": "Weather in Paris
      [("get_weather", {"city": "Rome"})]),
     ("llama3_json", '<|python_tag|>{"name": "get_time", "parameters": {}}; {"name": "get_weather", "arguments": '
                     '{"city": "a;b"}}', "", [("get_time", {}), ("get_weather", {"city": "a;b"})]),
+    # Arguments as a JSON string (OpenAI's wire form), as some models write them.
+    ("hermes", '<tool_call>{"name": "get_weather", "arguments": "{\\"city\\": \\"Quito\\"}"}</tool_call>', "",
+     [("get_weather", {"city": "Quito"})]),
+    # A block naming no tool of the request stays in the text beside the call that does.
+    ("hermes", '<tool_call>{"name": "launch_rockets", "arguments": {}}</tool_call>'
+               '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>',
+     '<tool_call>{"name": "launch_rockets", "arguments": {}}</tool_call>', [("get_time", {})]),
+    # The answer in a Markdown code block.
+    ("llama3_json", '```json\n{"name": "get_weather", "parameters": {"city": "Lagos"}}\n```', "",
+     [("get_weather", {"city": "Lagos"})]),
 ])
 def test_calls_are_parsed_from_either_format(parser, text, content, calls):
     found = tools.PARSERS[parser].parse(text, NAMES)
@@ -282,6 +292,7 @@ def test_calls_are_parsed_from_either_format(parser, text, content, calls):
     ("llama3_json", '{"name": "get_time", "parameters": {}} and some words'),
     ("llama3_json", '{"city": "Paris"}'),
     ("llama3_json", "[" * 5000),
+    ("llama3_json", '```python\nprint({"name": "get_time"})\n```'),  # a code block, but no call
 ])
 def test_malformed_calls_are_not_parsed(parser, text):
     assert tools.PARSERS[parser].parse(text, NAMES) is None
@@ -311,6 +322,9 @@ def test_streamed_text_passes_until_a_call_starts_then_calls_come_at_the_end():
     # llama3_json: an answer that starts as JSON is held; if it is no call, it comes out as text at the end.
     choices = _chunks(CHAT, ['{"answer": ', "42}"], parser="llama3_json")
     assert [c["delta"]["content"] for c in choices] == ["", '{"answer": 42}']
+    # A code block is held from its first backtick, and a call inside it is one.
+    choices = _chunks(CHAT, ["`", '``json\n{"name": "get_time", ', '"parameters": {}}\n```'], parser="llama3_json")
+    assert [c["delta"]["content"] for c in choices[:-1]] == ["", ""] and choices[-1]["finish_reason"] == "tool_calls"
 
 
 def test_whole_response_carries_message_tool_calls_and_parallel_false_keeps_the_first():

@@ -153,8 +153,7 @@ class Sampler:
         for i, seq in enumerate(seqs):
             p = seq.params
             banned = []
-            # A guided output ends when its grammar says so: min_tokens does not hold its end back.
-            if seq.num_output_tokens < p.min_tokens and not p.ignore_eos and seq.grammar is None:
+            if seq.num_output_tokens < p.min_tokens and not p.ignore_eos:  # never guided (validate_request)
                 banned.extend(seq.eos_ids)
             for bad in p.bad_token_ids:
                 if len(bad) == 1 or seq.token_ids[len(seq.token_ids) - len(bad) + 1:] == bad[:-1]:

@@ -184,6 +184,9 @@ def validate_request(prompt_token_ids: list[int], p: SamplingParams, limits: Req
     if p.guide is not None:
         _check(len(p.guide.spec) <= MAX_GUIDE_CHARS, p.guide.field,
                f"{len(p.guide.spec)} characters exceed the limit of {MAX_GUIDE_CHARS}")
+        # Holding the end back would leave a finished guide nothing to allow.
+        _check(p.min_tokens == 0, "min_tokens", "does not combine with guided decoding (the guide decides where "
+                                                "the output ends)")
     for name in ("end_id", "pad_id"):
         value = getattr(p, name)
         _check(value is None or 0 <= value < limits.vocab_size, name, f"must be in [0, {limits.vocab_size})")

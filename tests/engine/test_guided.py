@@ -256,9 +256,12 @@ def test_a_guide_whose_every_next_token_is_banned_ends_with_an_error(engine, cha
     assert text == "a"
 
 
-def test_beam_search_with_a_guide_is_refused(engine):
+def test_beam_search_or_min_tokens_with_a_guide_is_refused(engine):
     with pytest.raises(InvalidRequestError, match="does not combine with beam search"):
         engine.add_request("beams", [1, 2, 3], SamplingParams(max_tokens=4, beam_width=2, guide=Guide("json")))
+    # min_tokens used to be dropped silently for guided rows.
+    with pytest.raises(InvalidRequestError, match="min_tokens: does not combine with guided decoding"):
+        engine.add_request("min", [1, 2, 3], SamplingParams(max_tokens=4, min_tokens=2, guide=Guide("json")))
 
 
 def test_a_slow_compile_never_holds_up_the_engine(engine, monkeypatch):

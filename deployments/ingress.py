@@ -325,12 +325,12 @@ class Ingress:
             return JSONResponse({"error": f"unknown model '{model}'"}, status_code=404)
         return await self.ready()
 
-    async def _parse_triton(self, model: str, request: Request):
+    async def _parse_triton(self, model: str, request: Request, streams: bool):
         """(job, request) of a generate body, or None for a stop request, which is carried out here."""
         body = await self._json(request)
         if await self._stop(model, body):
             return None
-        return triton.parse_generate(model, body, self.name, self.config.max_tokens_default)
+        return triton.parse_generate(model, body, self.name, self.config.max_tokens_default, streams)
 
     async def _stop(self, model: str, fields) -> bool:
         """Carry out a stop request (`stop: true`, Triton's cancellation by request id): the replica
@@ -347,7 +347,7 @@ class Ingress:
               openapi_extra=openapi.body(triton.TritonGenerateRequest))
     async def generate(self, model: str, request: Request, version: str = triton.MODEL_VERSION):
         try:
-            parsed = await self._parse_triton(model, request)
+            parsed = await self._parse_triton(model, request, streams=False)
             if parsed is None:
                 return triton.stop_response(model)
             job, req = parsed
@@ -363,13 +363,21 @@ class Ingress:
               openapi_extra=openapi.body(triton.TritonGenerateRequest))
     async def generate_stream(self, model: str, request: Request, version: str = triton.MODEL_VERSION):
         try:
-            parsed = await self._parse_triton(model, request)
+            parsed = await self._parse_triton(model, request, streams=True)
         except Exception as exc:  # noqa: BLE001
             return self._error(exc, openai_style=False)
         if parsed is None:
             return StreamingResponse(iter([_sse(triton.stop_response(model))]), media_type="text/event-stream")
         job, req = parsed
         logits = triton.returns_logits(req)
+        if req.stream is False:  # TensorRT-LLM's non-streaming mode: the whole answer, one event
+            try:
+                chunk, ids = await self._whole(job, req.request_id or None)
+            except Exception as exc:  # noqa: BLE001
+                return self._error(exc, openai_style=False)
+            out = triton.generate_response(model, req, chunk, "", ids, final=True)
+            event = _sse(await asyncio.to_thread(triton.to_json, out) if logits else out)
+            return StreamingResponse(iter([event]), media_type="text/event-stream")
 
         def render(chunk, ids):
             out = triton.generate_response(model, req, chunk, "", ids, final=chunk.finished)
@@ -390,7 +398,8 @@ class Ingress:
             if await self._stop(model, fields):
                 generated = triton.stop_response(model)
             else:
-                job, req = triton.parse_generate(model, fields, self.name, self.config.max_tokens_default)
+                job, req = triton.parse_generate(model, fields, self.name, self.config.max_tokens_default,
+                                                 streams=False)
                 chunk, ids = await self._whole(job, req.request_id or None)
                 generated = triton.generate_response(model, req, chunk, job.prompt or "", ids, final=True)
         except Exception as exc:  # noqa: BLE001

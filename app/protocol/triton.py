@@ -93,7 +93,7 @@ class TritonGenerateRequest(BaseModel):
     beam_width: int | None = Field(None, ge=1)
     best_of: int | None = Field(None, ge=1)
     num_return_sequences: int | None = Field(None, ge=1)
-    stream: bool | None = None
+    stream: bool | None = None  # generate_stream: false sends the whole answer as one event
     ignore_eos: bool | None = None  # ours, for benchmarks: generate max_tokens whatever the model says
     stop: bool | None = None  # true: a stop request for the id in flight (parse_stop), never a generation
     exclude_input_in_output: bool | None = None
@@ -181,9 +181,10 @@ def parse_stop(model: str, body: Any, served_name: str) -> str | None:
     return request_id
 
 
-def parse_generate(model: str, body: Any, served_name: str,
-                   max_tokens_default: int | None) -> tuple[GenerationJob, TritonGenerateRequest]:
-    """Validate a generate body for `model` (after parse_stop found it is not a stop request);
+def parse_generate(model: str, body: Any, served_name: str, max_tokens_default: int | None,
+                   streams: bool = False) -> tuple[GenerationJob, TritonGenerateRequest]:
+    """Validate a generate body for `model` (after parse_stop found it is not a stop request) sent
+    to an endpoint that `streams` (generate_stream) or answers once (generate, infer);
     InvalidRequestError names the field at fault."""
     fields = _fields(model, body, served_name)
     try:
@@ -195,6 +196,8 @@ def parse_generate(model: str, body: Any, served_name: str,
         raise InvalidRequestError(where, message) from None
     if req.text_input is None and req.input_ids is None:
         raise InvalidRequestError("text_input", "is required (or input_ids for the tensorrt_llm model)")
+    if req.stream and not streams:  # Triton refuses a decoupled model's stream where one response is due
+        raise InvalidRequestError("stream", "true needs the generate_stream endpoint; this one answers once")
     if req.input_ids is not None and model != IDS_MODEL:
         raise InvalidRequestError("input_ids", f"is only taken by the '{IDS_MODEL}' model")
     if req.input_ids is not None and req.text_input is not None:
@@ -390,6 +393,14 @@ def infer_to_generate_body(body: Any) -> tuple[dict, str | None, list[str] | Non
         raise InvalidRequestError(where, "is not a field of /infer" if err["type"] == "extra_forbidden"
                                   else err["msg"]) from None
     fields = dict(req.parameters or {})
+    # triton_binary took the binary extension's parameters out; any other (shared_memory_region,
+    # classification) asks for what this server does not do.
+    for where, tensors in (("inputs", req.inputs), ("outputs", req.outputs or [])):
+        for i, tensor in enumerate(tensors):
+            if tensor.parameters:
+                key = next(iter(tensor.parameters))
+                raise InvalidRequestError(f"{where}.{i}.parameters.{key}", "is not supported here (the binary "
+                                                                           "data extension's are)")
     for i, tensor in enumerate(req.inputs):
         _check_tensor(tensor, f"inputs.{i}")
         if tensor.name in fields:

@@ -11,16 +11,24 @@ from app.engine.outputs import RequestMetrics
 from app.protocol.triton import OUTPUTS, generate_response, infer_to_generate_body, parse_generate, parse_stop, to_json
 
 
-def _parse(body, model="ensemble"):
-    return parse_generate(model, body, "smollm2-135m", 64)
+def _parse(body, model="ensemble", streams=False):
+    return parse_generate(model, body, "smollm2-135m", 64, streams)
 
 
 def test_spellings_and_batches_of_one_map_to_one_request():
     job, req = _parse({"text_input": ["hi"], "parameters": {"runtime_top_k": [[5]], "len_penalty": 0.5},
-                       "request_output_len": [[7]], "streaming": True, "stop_words": [["a", "b"]]})
+                       "request_output_len": [[7]], "streaming": True, "stop_words": [["a", "b"]]}, streams=True)
     assert job.prompt == "hi" and job.params.max_tokens == 7 and job.params.top_k == 5
     assert job.params.length_penalty == 0.5 and req.stream and job.stop == ["a", "b"]
     assert job.params.temperature == 1.0  # top_k set: sampling
+
+
+def test_stream_true_is_refused_where_the_endpoint_answers_once():
+    """generate and infer answered a streaming request whole, saying nothing; Triton refuses it."""
+    with pytest.raises(InvalidRequestError, match="stream: true needs the generate_stream endpoint"):
+        _parse({"text_input": "hi", "stream": True})
+    assert _parse({"text_input": "hi", "stream": False})[1].stream is False
+    assert _parse({"text_input": "hi", "stream": True}, streams=True)[1].stream
 
 
 def test_no_sampling_knob_means_greedy_as_in_tensorrt_llm():
@@ -84,6 +92,19 @@ def test_input_lengths_cut_the_padding_and_one_value_twice_is_one_value():
                      "parameters": {"request_output_len": [[4]], "bad_words": "", "end_id": 2}, "bad_words": [],
                      "end_id": [2]}, model="tensorrt_llm")
     assert job.prompt_token_ids == [1, 2, 3] and job.params.max_tokens == 4 and job.params.end_id == 2
+
+
+@pytest.mark.parametrize("body, field", [
+    ({"inputs": [{"name": "text_input", "data": ["hi"], "parameters": {"shared_memory_region": "r0"}}]},
+     "inputs.0.parameters.shared_memory_region"),
+    ({"inputs": [{"name": "text_input", "data": ["hi"]}],
+      "outputs": [{"name": "text_output", "parameters": {"classification": 3}}]}, "outputs.0.parameters.classification"),
+])
+def test_infer_refuses_tensor_parameters_it_does_not_act_on(body, field):
+    """They were dropped silently: shared memory and classification outputs are not served."""
+    with pytest.raises(InvalidRequestError) as err:
+        infer_to_generate_body(body)
+    assert err.value.field == field
 
 
 def test_infer_refuses_an_output_the_model_does_not_have():

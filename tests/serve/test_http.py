@@ -62,6 +62,18 @@ def test_stream_concatenation_equals_whole_answer(http, text):
     assert events[-1]["sequence_end"] and events[-1]["finish_reason"] in ("stop", "length")
 
 
+def test_generate_stream_with_stream_false_sends_the_whole_answer_once(http):
+    """TensorRT-LLM's non-streaming mode on the streaming endpoint: one event, the whole answer (it
+    used to stream deltas whatever `stream` said); /generate refuses stream: true by name."""
+    req = {"text_input": "Write a poem about the sea", "max_tokens": 24}
+    whole = http.post("/v2/models/ensemble/generate", json=req).json()
+    (event,) = _events(http.post("/v2/models/ensemble/generate_stream", json={**req, "stream": False}))
+    assert event["text_output"] == whole["text_output"] and event["sequence_end"]
+    assert len(_events(http.post("/v2/models/ensemble/generate_stream", json={**req, "stream": True}))) > 1
+    r = http.post("/v2/models/ensemble/generate", json={**req, "stream": True})
+    assert r.status_code == 400 and "stream" in r.json()["error"]
+
+
 def test_stop_words_cut_the_text(http):
     base = http.post("/v2/models/ensemble/generate", json={"text_input": "Count: one, two,", "max_tokens": 30}).json()
     text = base["text_output"]

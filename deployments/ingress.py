@@ -375,7 +375,7 @@ class Ingress:
                 chunk, ids = await self._whole(job, req.request_id or None)
             except Exception as exc:  # noqa: BLE001
                 return self._error(exc, openai_style=False)
-            out = triton.generate_response(model, req, chunk, "", ids, final=True)
+            out = triton.generate_response(model, req, chunk, job.prompt or "", ids, final=True)
             event = _sse(await asyncio.to_thread(triton.to_json, out) if logits else out)
             return StreamingResponse(iter([event]), media_type="text/event-stream")
 

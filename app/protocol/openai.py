@@ -459,7 +459,8 @@ def completion_response(job_id: str, model: str, chunk: TextChunk, chat: bool, s
             if stream is None or o.index not in stream.started:
                 message = {"role": "assistant", **message}
             if calls is not None:
-                message["content"], found = calls.push(o.index, o.text, chunk.finished or o.finish_reason is not None)
+                message["content"], found = calls.push(o.index, o.text, chunk.finished or o.finish_reason is not None,
+                                                       truncated=o.finish_reason == "length")
                 if found:
                     message["content"] = message["content"].strip() or None
                     message["tool_calls"] = [{"index": k, **c} for k, c in enumerate(found)] if stream else found

@@ -71,17 +71,19 @@ class Hermes:
 class Llama3Json:
     TAG = "<|python_tag|>"  # a special token: usually dropped by detokenization already
     SEPARATOR = re.compile(r"\s*;?\s*")
-    FENCE = re.compile(r"```(?:json)?\s*(.*?)\s*```", re.S)  # the whole answer in a Markdown code block
+    FENCE = "```"  # the whole answer may be a Markdown code block, untagged or tagged json
 
     def start(self, text: str) -> int:
         head = text.lstrip()
-        opens = ("{", self.TAG, "```")
+        opens = ("{", self.TAG, self.FENCE)
+        if head.startswith(self.FENCE) and "\n" in head:  # a code block of another language is no call
+            return 0 if head[3:head.index("\n")].strip() in ("", "json") else len(text)
         return 0 if any(o.startswith(head) for o in opens) or head.startswith(opens) else len(text)
 
     def parse(self, text: str, names: list[str]) -> tuple[str, list[dict]] | None:
         text = text.strip().removeprefix(self.TAG).lstrip()
-        if fenced := self.FENCE.fullmatch(text):
-            text = fenced.group(1)
+        if len(text) >= 6 and text.startswith(self.FENCE) and text.endswith(self.FENCE):  # no regex: linear
+            text = text[3:-3].removeprefix("json").strip()
         decoder, calls, at = json.JSONDecoder(), [], 0
         while at < len(text):
             try:
@@ -149,13 +151,14 @@ class ToolCallStream:
         self.text: dict[int, str] = {}
         self.sent: dict[int, int] = {}
 
-    def push(self, index: int, delta: str, final: bool) -> tuple[str, list[dict]]:
-        """The content to send now, and once the output ends its calls in OpenAI's shape."""
+    def push(self, index: int, delta: str, final: bool, truncated: bool = False) -> tuple[str, list[dict]]:
+        """The content to send now, and once the output ends its calls in OpenAI's shape. An output
+        `truncated` (by max_tokens) has no calls: what it holds is text, so its finish_reason stays."""
         text = self.text[index] = self.text.get(index, "") + delta
         sent = self.sent.get(index, 0)
         cut = self.sent[index] = max(sent, self.fmt.start(text))
         content = text[sent:cut]
-        found = self.fmt.parse(text[cut:], self.names) if final else None
+        found = self.fmt.parse(text[cut:], self.names) if final and not truncated else None
         if found is None:
             return content + (text[cut:] if final else ""), []
         rest, calls = found

@@ -355,6 +355,10 @@ DATATYPES = {"BOOL": (bool,), "BYTES": (str,), "BF16": (float, int), "FP16": (fl
              "FP64": (float, int), **{f"{s}INT{b}": (int,) for s in ("", "U") for b in (8, 16, 32, 64)}}
 
 
+UNSERVED_TENSOR_PARAMETERS = frozenset({"shared_memory_region", "shared_memory_byte_size", "shared_memory_offset",
+                                        "classification"})
+
+
 class InferTensor(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -393,14 +397,13 @@ def infer_to_generate_body(body: Any) -> tuple[dict, str | None, list[str] | Non
         raise InvalidRequestError(where, "is not a field of /infer" if err["type"] == "extra_forbidden"
                                   else err["msg"]) from None
     fields = dict(req.parameters or {})
-    # triton_binary took the binary extension's parameters out; any other (shared_memory_region,
-    # classification) asks for what this server does not do.
+    # Triton acts on these tensor parameters besides the binary extension's (triton_binary took those
+    # out) and ignores the rest (a codec's content_type); this server has no shared memory or
+    # classification outputs.
     for where, tensors in (("inputs", req.inputs), ("outputs", req.outputs or [])):
         for i, tensor in enumerate(tensors):
-            if tensor.parameters:
-                key = next(iter(tensor.parameters))
-                raise InvalidRequestError(f"{where}.{i}.parameters.{key}", "is not supported here (the binary "
-                                                                           "data extension's are)")
+            for key in UNSERVED_TENSOR_PARAMETERS.intersection(tensor.parameters or ()):
+                raise InvalidRequestError(f"{where}.{i}.parameters.{key}", "is not supported by this server")
     for i, tensor in enumerate(req.inputs):
         _check_tensor(tensor, f"inputs.{i}")
         if tensor.name in fields:

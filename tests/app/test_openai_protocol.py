@@ -298,11 +298,11 @@ def test_malformed_calls_are_not_parsed(parser, text):
     assert tools.PARSERS[parser].parse(text, NAMES) is None
 
 
-def _chunks(req_body: dict, deltas: list[str], parser="hermes", stream=True) -> list[dict]:
+def _chunks(req_body: dict, deltas: list[str], parser="hermes", stream=True, finish="stop") -> list[dict]:
     _, req = parse_chat(req_body, 16)
     calls = tool_calls(req, parser)
     state = StreamState(req, "id", "m", True) if stream else None
-    return [completion_response("id", "m", TextChunk([TextOutput(0, d, [1], None, 0.0, "stop" if last else None)],
+    return [completion_response("id", "m", TextChunk([TextOutput(0, d, [1], None, 0.0, finish if last else None)],
                                                      last, 3), True, state, calls=calls)["choices"][0]
             for last, d in ((i == len(deltas) - 1, d) for i, d in enumerate(deltas))]
 
@@ -322,9 +322,18 @@ def test_streamed_text_passes_until_a_call_starts_then_calls_come_at_the_end():
     # llama3_json: an answer that starts as JSON is held; if it is no call, it comes out as text at the end.
     choices = _chunks(CHAT, ['{"answer": ', "42}"], parser="llama3_json")
     assert [c["delta"]["content"] for c in choices] == ["", '{"answer": 42}']
-    # A code block is held from its first backtick, and a call inside it is one.
+    # A code block is held from its first backtick, and a call inside it is one; a block of another
+    # language streams as soon as its first line says so.
     choices = _chunks(CHAT, ["`", '``json\n{"name": "get_time", ', '"parameters": {}}\n```'], parser="llama3_json")
     assert [c["delta"]["content"] for c in choices[:-1]] == ["", ""] and choices[-1]["finish_reason"] == "tool_calls"
+    deltas = ["```python\n", "print(1)\n", "```\nThat prints 1."]
+    choices = _chunks(CHAT, deltas, parser="llama3_json")
+    assert [c["delta"]["content"] for c in choices] == deltas and choices[-1]["finish_reason"] == "stop"
+    # Cut by max_tokens after one whole call: no calls, the text as it is, finish_reason length.
+    text = '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>\n<tool_call>{"name": "get_weather", "argu'
+    (choice,) = _chunks(CHAT, [text], stream=False, finish="length")
+    assert choice["message"]["content"] == text and "tool_calls" not in choice["message"]
+    assert choice["finish_reason"] == "length"
 
 
 def test_whole_response_carries_message_tool_calls_and_parallel_false_keeps_the_first():

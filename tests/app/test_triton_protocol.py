@@ -101,10 +101,14 @@ def test_input_lengths_cut_the_padding_and_one_value_twice_is_one_value():
       "outputs": [{"name": "text_output", "parameters": {"classification": 3}}]}, "outputs.0.parameters.classification"),
 ])
 def test_infer_refuses_tensor_parameters_it_does_not_act_on(body, field):
-    """They were dropped silently: shared memory and classification outputs are not served."""
+    """They were dropped silently: shared memory and classification outputs are not served. Keys
+    Triton itself ignores (an Open Inference Protocol codec's content_type) are ignored here too."""
     with pytest.raises(InvalidRequestError) as err:
         infer_to_generate_body(body)
     assert err.value.field == field
+    body["inputs"][0]["parameters"] = {"content_type": "str"}
+    body.pop("outputs", None)
+    assert infer_to_generate_body(body)[0]["text_input"] == "hi"
 
 
 def test_infer_refuses_an_output_the_model_does_not_have():

@@ -69,6 +69,10 @@ def test_generate_stream_with_stream_false_sends_the_whole_answer_once(http):
     whole = http.post("/v2/models/ensemble/generate", json=req).json()
     (event,) = _events(http.post("/v2/models/ensemble/generate_stream", json={**req, "stream": False}))
     assert event["text_output"] == whole["text_output"] and event["sequence_end"]
+    with_prompt = {**req, "exclude_input_in_output": False}
+    (event,) = _events(http.post("/v2/models/ensemble/generate_stream", json={**with_prompt, "stream": False}))
+    assert event["text_output"] == http.post("/v2/models/ensemble/generate", json=with_prompt).json()["text_output"]
+    assert event["text_output"].startswith(req["text_input"])
     assert len(_events(http.post("/v2/models/ensemble/generate_stream", json={**req, "stream": True}))) > 1
     r = http.post("/v2/models/ensemble/generate", json={**req, "stream": True})
     assert r.status_code == 400 and "stream" in r.json()["error"]

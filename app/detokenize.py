@@ -2,7 +2,6 @@
 stop strings applied and each output's tokens spelled out where logprobs were asked for."""
 from __future__ import annotations
 
-import codecs
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 
@@ -13,21 +12,21 @@ from app.text import IncrementalDetokenizer, Tokenizer
 
 class TextOffsets:
     """Where each token of one text starts in it (OpenAI's text_offset): the characters the text has
-    before the token. The tokens' bytes go through an incremental UTF-8 decoder, so a character split
-    over tokens counts once, at the token that completes it; special tokens, which the text leaves
-    out (decode skips them), count nothing."""
+    before the token. The text is the tokenizer's own decode, grown a token at a time as the
+    detokenizer grows it, so every quirk of that decode counts as it does in the text: a character
+    split over tokens counts once, at the token that completes it; special tokens count nothing;
+    SentencePiece's first space is not there."""
 
     def __init__(self, tokenizer: Tokenizer):
-        self.tokenizer = tokenizer
-        self.chars = 0
-        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._text = IncrementalDetokenizer(tokenizer)
 
-    def advance(self, token_id: int, raw: bytes) -> int:
-        """The token's offset; the count then moves past it."""
-        start = self.chars
-        if token_id not in self.tokenizer.special_ids:
-            self.chars += len(self._utf8.decode(raw))
-        return start
+    def advance(self, token_id: int, piece: str) -> int:
+        """The token's offset, given its text alone (`piece`); the text then grows by it. Where the
+        text grows by more than the piece (bytes held back before it that it completed, or that
+        decode replaced), the piece is what ends the growth."""
+        start = len(self._text.text)
+        self._text.push([token_id])
+        return max(start, len(self._text.text) - len(piece))
 
 
 def token_texts(tokenizer: Tokenizer, token_ids: list[int], top_logprobs: list | None,
@@ -39,7 +38,7 @@ def token_texts(tokenizer: Tokenizer, token_ids: list[int], top_logprobs: list |
         text, raw = tokenizer.token_piece(token_id)
         ids, values = (top_logprobs and top_logprobs[i]) or ((), ())
         top = [(*tokenizer.token_piece(t), value) for t, value in zip(ids, values)]
-        tokens.append(TokenText(text, raw, offsets.advance(token_id, raw), top))
+        tokens.append(TokenText(text, raw, offsets.advance(token_id, text), top))
     return tokens
 
 

@@ -18,9 +18,6 @@ class Tokenizer:
         self.pad_token_id = self.hf.pad_token_id if self.hf.pad_token_id is not None else self.eos_token_id
         self._byte_decoder = _byte_decoder(self.hf)
         self._added = set(self.hf.added_tokens_decoder)  # stored as their text, in every kind of tokenizer
-        # What decode(skip_special_tokens=True) leaves out of a text.
-        self.special_ids = set(self.hf.all_special_ids) | {
-            i for i, token in self.hf.added_tokens_decoder.items() if token.special}
         self._pieces: dict[int, tuple[str, bytes]] = {}  # token_piece's, at most one per vocabulary entry
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:

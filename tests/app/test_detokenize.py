@@ -105,11 +105,49 @@ def test_text_offsets_point_into_the_text_with_split_characters_and_special_toke
     chunks = asyncio.run(collect())
     tokens = [t for chunk in chunks for out in chunk.outputs for t in out.tokens]
     assert _texts(chunks)[0] == text and len(tokens) == len(ids)
-    for i, (token, raw) in enumerate(zip(tokens, split)):
-        if raw and raw[0] >> 6 != 0b10:  # starts a character
-            assert text[token.offset:] == tokenizer.decode(ids[i:]), (i, token)
-    assert [t.offset for t in tokens] == sorted(t.offset for t in tokens)
+    _assert_offsets(tokenizer, text, ids, tokens)
     prompt = chunks[0].prompt
     assert prompt.text == "Say: " and [t.offset for t in prompt.tokens][:2] == [0, 0]
-    for i, token in enumerate(prompt.tokens[1:], 1):
-        assert prompt.text[token.offset:] == tokenizer.decode(prompt_ids[i:])
+    _assert_offsets(tokenizer, prompt.text, prompt_ids, prompt.tokens)
+
+
+def _assert_offsets(tokenizer, text: str, ids: list[int], tokens) -> None:
+    """Each token whose tokens before it decode to whole characters starts where their text ends,
+    and from there the text is theirs and its own."""
+    assert [t.offset for t in tokens] == sorted(t.offset for t in tokens)
+    for i, token in enumerate(tokens):
+        before = tokenizer.decode(ids[:i])
+        if not before.endswith("\ufffd"):
+            assert token.offset == len(before) and text.startswith(before), (i, token)
+
+
+def test_text_offsets_follow_a_sentencepiece_decode(tmp_path):
+    """Llama 2's kind of tokenizer drops the first token's space and writes a byte token per
+    U+FFFD: offsets count what the decode writes, not the tokens' own bytes."""
+    from tokenizers import Tokenizer as RustTokenizer
+    from tokenizers import decoders, models, normalizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{w: 3 + i for i, w in enumerate(["\u2581Hi", "\u2581there", "\u2581!"])}}
+    vocab |= {f"<0x{b:02X}>": len(vocab) + b for b in range(256)}
+    rust = RustTokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    rust.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    rust.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                      decoders.Strip(" ", 1, 0)])
+    PreTrainedTokenizerFast(tokenizer_object=rust, bos_token="<s>", eos_token="</s>",
+                            unk_token="<unk>").save_pretrained(tmp_path)
+    sentencepiece = Tokenizer(tmp_path)
+    for ids in ([1, 3, 4, 5], [vocab["<0xE6>"], vocab["<0x97>"], 3, 4]):
+        job = TokenizedJob("r", [1, 3], SamplingParams(logprobs=0, prompt_logprobs=0), stop=[], echo="Hi")
+
+        async def engine():
+            yield RequestOutput("r", [CompletionOutput(0, ids, [0.0] * len(ids), 0.0, "length")], finished=True,
+                                prompt_logprobs=[None, 0.0])
+
+        async def collect():
+            return [chunk async for chunk in text_chunks(sentencepiece, job, engine())]
+        (chunk,) = asyncio.run(collect())
+        (out,) = chunk.outputs
+        _assert_offsets(sentencepiece, out.text, ids, out.tokens)
+        _assert_offsets(sentencepiece, "Hi", [1, 3], chunk.prompt.tokens)
+    assert [t.offset for t in out.tokens] == [0, 0, 2, 5]  # '\ufffd\ufffd Hi there'

@@ -102,6 +102,12 @@ class Launch(NamedTuple):
 PREFILL_LAUNCH = Launch(block_k=64, programs=256)
 
 
+def shrink_block_k(block_width: int, launch: Launch) -> int:
+    """The shrink's K block for A tiles of `block_width` ranks: the launch's, where the tile stays
+    within 64 ranks x 128 features (wider outgrows shared memory in float32); else at most 64."""
+    return launch.block_k if block_width * launch.block_k <= 64 * 128 else min(launch.block_k, 64)
+
+
 def add_lora(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor, offsets: list[int],
              order: torch.Tensor, items: torch.Tensor, block_m: int, launch: Launch | None = None) -> torch.Tensor:
     """y [T, N] += x [T, K] @ A[slot].T @ B[slot].T for each row's slot and each output shard, in
@@ -113,8 +119,7 @@ def add_lora(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
     t, k = x.shape
     width, (n, r), num_items = a.shape[1], b.shape[1:], items.shape[0]
     block_width = max(16, triton.next_power_of_2(width))
-    # A's tile wider than 64 ranks x 128 features outgrows shared memory in float32 (wide ranks keep 64).
-    block_k = launch.block_k if block_width * launch.block_k <= 64 * 128 else min(launch.block_k, 64)
+    block_k = shrink_block_k(block_width, launch)
     # Enough programs to fill the SMs when few rows share an adapter: split the input features.
     splits = max(1, min(launch.max_splits, launch.programs // num_items, triton.cdiv(k, block_k)))
     k_chunk = triton.cdiv(triton.cdiv(k, splits), block_k) * block_k

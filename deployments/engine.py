@@ -46,51 +46,35 @@ class EngineDeployment:
                        adapter: AdapterRef | None, reply_to: ReplyTo) -> None:
         """Send the request's RequestOutput deltas to `reply_to` (app/channel.py) and return once the
         last is written. Cancelling this call, or the consumer's death, aborts the request."""
-        claimed = False
         if adapter is not None:
             if adapter.name not in self.bound:
-                adapter, claimed = await self._bind(adapter)
+                adapter = await self._recorded(adapter)
             await self._mark_resident(serve.get_multiplexed_model_id())
         outputs = self.backend.generate(request_id, prompt_token_ids, params, adapter)
-        try:
-            await self.outbound.stream(reply_to, outputs)
-        except BaseException:
-            if claimed and self.backend.adapters.paths.get(adapter.name) != adapter.path:
-                await self._unclaim(adapter)  # its load failed: the name is free for a good path again
-            raise
-        if adapter is not None and adapter.path is not None:
-            self.bound.add(adapter.name)
-
-    async def _bind(self, adapter: AdapterRef) -> tuple[AdapterRef, bool]:
-        """The adapter as this app binds its name, and whether this call claimed it. A name keeps
-        one path on every replica: a first use with a path claims the name in Ray's KV store before
-        anything loads (recording it after the load let two replicas bind one name to two paths at
-        once); a claimed name takes its recorded path, and another path is a 409. A recorded path
-        must still lie inside this app's lora_roots (the config may have changed since)."""
-        if adapter.path is not None:  # resolved inside lora_roots by the Ingress already
+        await self.outbound.stream(reply_to, outputs)
+        if adapter is not None and adapter.path is not None and adapter.name not in self.bound:
+            self.bound.add(adapter.name)  # it loaded: other replicas may load it by name from now on
             try:
-                existed = await asyncio.to_thread(internal_kv._internal_kv_put, self._key(adapter.name), adapter.path,
-                                                  overwrite=False, namespace=ADAPTER_PATHS)
-            except Exception:  # noqa: BLE001 - serve it bound on this replica alone, as without a KV store
-                logger.warning("could not record adapter %r's path for other replicas", adapter.name, exc_info=True)
-                return adapter, False
-            if not existed:
-                return adapter, True
+                await asyncio.to_thread(internal_kv._internal_kv_put, self._key(adapter.name), adapter.path,
+                                        overwrite=False, namespace=ADAPTER_PATHS)
+            except Exception:  # noqa: BLE001 - the answer is out whole; failing the call now could
+                # reach the consumer before its last frame does, and turn a finished answer into an error
+                logger.warning("could not record adapter %r's path for other replicas", adapter.name,
+                               exc_info=True)
+
+    async def _recorded(self, adapter: AdapterRef) -> AdapterRef:
+        """The adapter with the path another replica bound its name to, if one did: a name keeps one
+        path on every replica (another path is a 409), and a recorded path must still lie inside this
+        app's lora_roots (the config may have changed since it was recorded)."""
         recorded = await asyncio.to_thread(internal_kv._internal_kv_get, self._key(adapter.name),
                                            namespace=ADAPTER_PATHS)
         if recorded is None:
-            return adapter, False
+            return adapter
         recorded = recorded.decode()
         if adapter.path is not None and adapter.path != recorded:
             raise InvalidRequestError(adapter.field, f"LoRA adapter '{adapter.name}' is already bound to another "
                                                      "path; send the new adapter under a new name", status=409)
-        return self.policy.resolve(AdapterRef(adapter.name, recorded, adapter.field)), False
-
-    async def _unclaim(self, adapter: AdapterRef) -> None:
-        try:
-            await asyncio.to_thread(internal_kv._internal_kv_del, self._key(adapter.name), namespace=ADAPTER_PATHS)
-        except Exception:  # noqa: BLE001 - the name stays bound to the path that failed; a new name serves
-            logger.warning("could not free adapter %r's name after its load failed", adapter.name, exc_info=True)
+        return self.policy.resolve(AdapterRef(adapter.name, recorded, adapter.field))
 
     def _key(self, name: str) -> str:
         return f"{self.app_name}/{name}"

@@ -26,7 +26,6 @@ class EngineBackend(Protocol):
     registered before the first request."""
 
     name: str
-    adapters: AdapterTable  # the names this replica has bound to paths (a failed load unbinds its name)
 
     def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  adapter: AdapterRef | None) -> AsyncIterator:

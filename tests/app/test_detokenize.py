@@ -128,7 +128,8 @@ def test_text_offsets_follow_a_sentencepiece_decode(tmp_path):
     from tokenizers import decoders, models, normalizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{w: 3 + i for i, w in enumerate(["\u2581Hi", "\u2581there", "\u2581!"])}}
+    words = ["\u2581Hi", "\u2581there", "\u2581!"]
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{w: 3 + i for i, w in enumerate(words)}}
     vocab |= {f"<0x{b:02X}>": len(vocab) + b for b in range(256)}
     rust = RustTokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True, fuse_unk=True))
     rust.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])

@@ -98,7 +98,8 @@ def test_input_lengths_cut_the_padding_and_one_value_twice_is_one_value():
     ({"inputs": [{"name": "text_input", "data": ["hi"], "parameters": {"shared_memory_region": "r0"}}]},
      "inputs.0.parameters.shared_memory_region"),
     ({"inputs": [{"name": "text_input", "data": ["hi"]}],
-      "outputs": [{"name": "text_output", "parameters": {"classification": 3}}]}, "outputs.0.parameters.classification"),
+      "outputs": [{"name": "text_output", "parameters": {"classification": 3}}]},
+     "outputs.0.parameters.classification"),
 ])
 def test_infer_refuses_tensor_parameters_it_does_not_act_on(body, field):
     """They were dropped silently: shared memory and classification outputs are not served. Keys

@@ -252,12 +252,12 @@ def lora_launch(rows: int, adapters: int, outs: list[int], width: int, rank: int
     settings = [Launch(block_k=k, programs=p, shrink_warps=w) for k in (64, 128, 256) for p in (256, 512, 1024)
                 for w in (4, 8)]
     settings += [Launch(block_n=bn, expand_warps=w) for bn in (0, 128, 64, 32) for w in (4, 8) if (bn, w) != (0, 4)]
+    # A setting whose K block add_lora caps for this width runs as another: named as it runs, once.
+    block_width = max(16, triton.next_power_of_2(len(outs) * rank))
+    settings = list(dict.fromkeys(s._replace(block_k=shrink_block_k(block_width, s)) for s in settings))
     ref = add_lora(x, torch.zeros_like(y), a, b, offsets, batch.order, batch.items, batch.block_m).float()
     fields = dict(kernel="lora_launch", rows=rows, adapters=adapters, outs=n, width=width, rank=rank,
                   items=batch.items.shape[0])
-    block_width = max(16, triton.next_power_of_2(len(outs) * rank))
-    # A setting whose K block add_lora caps for this width runs as another: named as it runs, once.
-    settings = list(dict.fromkeys(s._replace(block_k=shrink_block_k(block_width, s)) for s in settings))
     for launch in settings:
         def run():
             return add_lora(x, y, a, b, offsets, batch.order, batch.items, batch.block_m, launch)

@@ -98,6 +98,7 @@ class Launch(NamedTuple):
     expand_warps: int = 4
 
 
+DECODE_LAUNCH = Launch()
 # Prefill steps (64-row items) keep the settings the kernels had before the sweep, which did not time them.
 PREFILL_LAUNCH = Launch(block_k=64, programs=256)
 
@@ -114,7 +115,7 @@ def add_lora(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
     place. a: [slots + 1, shards * R, K], each shard's A stacked along the rank; b: [slots + 1, N, R],
     shard i's rows from offsets[i] (both contiguous); order: [T] rows grouped by slot; items: [W, 3]
     int32 work items of at most block_m rows (lora.py builds both)."""
-    launch = launch or (Launch() if block_m <= 16 else PREFILL_LAUNCH)
+    launch = launch or (DECODE_LAUNCH if block_m <= 16 else PREFILL_LAUNCH)
     x = x.contiguous()
     t, k = x.shape
     width, (n, r), num_items = a.shape[1], b.shape[1:], items.shape[0]

@@ -21,6 +21,7 @@ from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 
 from app.adapters import AdapterPolicy
+from app.batching import Coalescer
 from app.channel import Inbound
 from app.config import ServiceConfig
 from app.engine.errors import BackendError, EngineDeadError, EngineStepError, InvalidRequestError
@@ -134,6 +135,8 @@ class Ingress:
         self.config = config
         self.name = config.name
         self.tokenizer = for_this_replica(tokenizer)
+        # A wave of arrivals is tokenized in few calls, not one each (app/batching.py).
+        self.tokenize = Coalescer(lambda jobs: self.tokenizer.tokenize_many.remote(jobs))
         self.detokenizer = for_this_replica(detokenizer)
         self.engine = for_this_replica(engine)
         self.adapters = AdapterPolicy(config.lora_roots, config.lora_adapters)
@@ -170,7 +173,7 @@ class Ingress:
         started, first, finished, num_output = time.monotonic(), None, False, 0
         last: dict[int, TextOutput] = {}
         async with self._claimed(client_id) as stop:
-            tokenized = await self.tokenizer.tokenize.remote(job)
+            tokenized = await self.tokenize(job)
             try:
                 async with aclosing(self.inbound.receive(
                         lambda reply_to: self.detokenizer.generate.remote(tokenized, reply_to), stop)) as chunks:

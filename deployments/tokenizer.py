@@ -1,6 +1,7 @@
 """The tokenizer stage: text, chat messages and stop/bad words to token ids."""
 from __future__ import annotations
 
+import logging
 from dataclasses import replace
 
 from jinja2 import TemplateError
@@ -11,6 +12,8 @@ from app.protocol import tools
 from app.protocol.messages import GenerationJob, TokenizedJob
 from app.text import Tokenizer
 from deployments.workers import model_dir_on_this_node
+
+logger = logging.getLogger("ray.serve")
 
 
 @serve.deployment(name="Tokenizer")
@@ -26,7 +29,21 @@ class TokenizerDeployment:
         """The format tool calls take in this model's output: the Ingress parses them."""
         return self.tool_parser
 
-    def tokenize(self, job: GenerationJob) -> TokenizedJob:
+    def tokenize_many(self, jobs: list[GenerationJob]) -> list[TokenizedJob | Exception]:
+        """Each job's tokens, or the error that refuses it: one job's error is its own (the Ingress
+        sends the jobs that reached it together as one call, app/batching.py)."""
+        results: list[TokenizedJob | Exception] = []
+        for job in jobs:
+            try:
+                results.append(self._tokenize(job))
+            except InvalidRequestError as exc:
+                results.append(exc)
+            except Exception:  # noqa: BLE001 - a bug here must not fail the other jobs of the call
+                logger.exception("tokenizing request %s failed", job.request_id)
+                results.append(RuntimeError("the tokenizer failed on this request; its log says why"))
+        return results
+
+    def _tokenize(self, job: GenerationJob) -> TokenizedJob:
         if job.messages is not None:
             messages, functions = tools.for_template(job.messages, job.tools, self.tokenizer.hf.chat_template,
                                                      self.tool_parser)

@@ -23,6 +23,10 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.hf.encode(text, add_special_tokens=add_special_tokens)
 
+    def encode_many(self, texts: list[str]) -> list[list[int]]:
+        """encode() of each text; a fast tokenizer spreads the batch over its threads, off the GIL."""
+        return [list(ids) for ids in self.hf(texts, add_special_tokens=True)["input_ids"]]
+
     def encode_words(self, words: list[str]) -> list[list[int]]:
         """Stop/bad words as token-id sequences (the seeds' preprocessing does the same)."""
         return [ids for ids in (self.encode(w, add_special_tokens=False) for w in words if w) if ids]

@@ -31,11 +31,17 @@ class TokenizerDeployment:
 
     def tokenize_many(self, jobs: list[GenerationJob]) -> list[TokenizedJob | Exception]:
         """Each job's tokens, or the error that refuses it: one job's error is its own (the Ingress
-        sends the jobs that reached it together as one call, app/batching.py)."""
+        sends the jobs that reached it together as one call, app/batching.py). Text prompts are
+        encoded as one batch: a wave of them is not tokenized one after another."""
+        texts = [job.prompt for job in jobs if _text_prompt(job)]
+        try:
+            encoded = iter(self.tokenizer.encode_many(texts) if texts else ())
+        except Exception:  # noqa: BLE001 - each job is encoded on its own below, and fails alone
+            encoded = iter([None] * len(texts))
         results: list[TokenizedJob | Exception] = []
         for job in jobs:
             try:
-                results.append(self._tokenize(job))
+                results.append(self._tokenize(job, next(encoded) if _text_prompt(job) else None))
             except InvalidRequestError as exc:
                 results.append(exc)
             except Exception:  # noqa: BLE001 - a bug here must not fail the other jobs of the call
@@ -43,7 +49,7 @@ class TokenizerDeployment:
                 results.append(RuntimeError("the tokenizer failed on this request; its log says why"))
         return results
 
-    def _tokenize(self, job: GenerationJob) -> TokenizedJob:
+    def _tokenize(self, job: GenerationJob, encoded: list[int] | None = None) -> TokenizedJob:
         if job.messages is not None:
             messages, functions = tools.for_template(job.messages, job.tools, self.tokenizer.hf.chat_template,
                                                      self.tool_parser)
@@ -54,7 +60,7 @@ class TokenizerDeployment:
         elif job.prompt_token_ids is not None:
             ids = job.prompt_token_ids
         else:
-            ids = self.tokenizer.encode(job.prompt)
+            ids = encoded if encoded is not None else self.tokenizer.encode(job.prompt)
         params = replace(job.params,
                          stop_token_ids=job.params.stop_token_ids + self.tokenizer.encode_words(job.stop),
                          bad_token_ids=job.params.bad_token_ids + self.tokenizer.encode_words(job.bad_words))
@@ -62,3 +68,7 @@ class TokenizerDeployment:
         if job.echo:  # the text as sent; token ids as they decode
             echo = job.prompt if job.prompt is not None else self.tokenizer.decode(ids)
         return TokenizedJob(job.request_id, ids, params, job.stop, job.adapter, echo)
+
+
+def _text_prompt(job: GenerationJob) -> bool:
+    return job.messages is None and job.prompt_token_ids is None and isinstance(job.prompt, str)

@@ -104,3 +104,79 @@ def test_max_items_splits_a_large_wave():
         return stage.calls
 
     assert asyncio.run(main()) == [[0, 1], [2, 3], [4]]
+
+
+def test_a_call_runs_in_no_callers_context():
+    """Ray Serve finds the calling request in the context: a call made in the first caller's context
+    would be cancelled with that request, and every other caller's item with it."""
+    import contextvars
+
+    request = contextvars.ContextVar("request", default=None)
+
+    async def main():
+        seen = []
+
+        async def call_many(items):
+            seen.append(request.get())
+            return items
+
+        coalescer = Coalescer(call_many, max_in_flight=1)
+
+        async def caller(name):
+            request.set(name)
+            return await coalescer(name)
+
+        assert await asyncio.gather(*(caller(n) for n in ("a", "b", "c"))) == ["a", "b", "c"]
+        return seen
+
+    assert asyncio.run(main()) == [None]
+
+
+def test_a_call_cancelled_under_its_callers_fails_them_and_frees_its_place():
+    from app.batching import CallCancelledError
+
+    async def main():
+        cancelled = True
+
+        async def call_many(items):
+            if cancelled:
+                raise asyncio.CancelledError  # as a cancelled Serve call raises, the task itself not cancelled
+            return items
+
+        coalescer = Coalescer(call_many, max_in_flight=1)
+        results = await asyncio.gather(coalescer(1), coalescer(2), return_exceptions=True)
+        cancelled = False
+        return results, await coalescer(3)
+
+    results, after = asyncio.run(main())
+    assert all(isinstance(r, CallCancelledError) for r in results) and after == 3
+
+
+def test_a_call_with_too_few_results_fails_its_callers_instead_of_leaving_them_waiting():
+    async def main():
+        async def call_many(items):
+            return items[:1]
+
+        coalescer = Coalescer(call_many)
+        return await asyncio.wait_for(asyncio.gather(coalescer(1), coalescer(2), return_exceptions=True), 5)
+
+    results = asyncio.run(main())
+    assert all(isinstance(r, RuntimeError) and "returned 1 results" in str(r) for r in results)
+
+
+def test_a_send_cancelled_before_it_ran_cancels_its_callers_and_frees_its_place():
+    async def main():
+        async def call_many(items):
+            return items
+
+        coalescer = Coalescer(call_many, max_in_flight=1)
+        doomed = asyncio.ensure_future(coalescer(1))
+        await asyncio.sleep(0)  # the flush is scheduled
+        await asyncio.sleep(0)  # it ran: the send task exists and has not started
+        for task in list(coalescer.sending):
+            task.cancel()
+        result = await asyncio.gather(doomed, return_exceptions=True)
+        return result, await asyncio.wait_for(coalescer(2), 5)
+
+    (doomed,), after = asyncio.run(main())
+    assert isinstance(doomed, asyncio.CancelledError) and after == 2

@@ -3,7 +3,7 @@ import asyncio
 
 import pytest
 
-from app.batching import Coalescer
+from app.batching import CallCancelledError, Coalescer
 
 
 class Stage:
@@ -41,31 +41,42 @@ def test_one_items_error_is_its_own():
     assert isinstance(refused, ValueError) and str(refused) == "refused -2"
 
 
-def test_a_failed_call_fails_its_items_and_the_next_call_still_goes():
+@pytest.mark.parametrize("raised, seen", [
+    (ConnectionError("replica died"), ConnectionError),
+    # As a Serve call cancelled under its caller raises, the sending task itself not cancelled.
+    (asyncio.CancelledError(), CallCancelledError),
+])
+def test_a_failed_call_fails_its_items_and_the_next_call_still_goes(raised, seen):
     async def main():
         failing = True
 
         async def call_many(items):
             if failing:
-                raise ConnectionError("replica died")
+                raise raised
             return items
 
-        coalescer = Coalescer(call_many)
+        coalescer = Coalescer(call_many, max_in_flight=1)
         results = await asyncio.gather(coalescer(1), coalescer(2), return_exceptions=True)
         failing = False
         return results, await coalescer(3)
 
     results, after = asyncio.run(main())
-    assert all(isinstance(r, ConnectionError) for r in results) and after == 3
+    assert all(isinstance(r, seen) for r in results) and after == 3
+
+
+async def _first_call_held():
+    """A coalescer of one call at a time whose first call (item 1) is out and held by its stage."""
+    stage = Stage()
+    stage.gate.clear()
+    coalescer = Coalescer(stage.call_many, max_in_flight=1)
+    first = asyncio.ensure_future(coalescer(1))
+    await asyncio.sleep(0.01)
+    return stage, coalescer, first
 
 
 def test_while_calls_are_in_flight_later_items_wait_and_go_together():
     async def main():
-        stage = Stage()
-        stage.gate.clear()
-        coalescer = Coalescer(stage.call_many, max_in_flight=1)
-        first = asyncio.ensure_future(coalescer(1))
-        await asyncio.sleep(0.01)  # the first call is out and held
+        stage, coalescer, first = await _first_call_held()
         later = [asyncio.ensure_future(coalescer(i)) for i in (2, 3)]
         await asyncio.sleep(0)
         await asyncio.sleep(0.01)
@@ -80,11 +91,7 @@ def test_while_calls_are_in_flight_later_items_wait_and_go_together():
 
 def test_a_caller_that_left_is_not_sent_and_does_not_disturb_the_others():
     async def main():
-        stage = Stage()
-        stage.gate.clear()
-        coalescer = Coalescer(stage.call_many, max_in_flight=1)
-        first = asyncio.ensure_future(coalescer(1))
-        await asyncio.sleep(0.01)
+        stage, coalescer, first = await _first_call_held()
         leaving, staying = asyncio.ensure_future(coalescer(2)), asyncio.ensure_future(coalescer(3))
         await asyncio.sleep(0.01)
         leaving.cancel()
@@ -130,26 +137,6 @@ def test_a_call_runs_in_no_callers_context():
         return seen
 
     assert asyncio.run(main()) == [None]
-
-
-def test_a_call_cancelled_under_its_callers_fails_them_and_frees_its_place():
-    from app.batching import CallCancelledError
-
-    async def main():
-        cancelled = True
-
-        async def call_many(items):
-            if cancelled:
-                raise asyncio.CancelledError  # as a cancelled Serve call raises, the task itself not cancelled
-            return items
-
-        coalescer = Coalescer(call_many, max_in_flight=1)
-        results = await asyncio.gather(coalescer(1), coalescer(2), return_exceptions=True)
-        cancelled = False
-        return results, await coalescer(3)
-
-    results, after = asyncio.run(main())
-    assert all(isinstance(r, CallCancelledError) for r in results) and after == 3
 
 
 def test_a_call_with_too_few_results_fails_its_callers_instead_of_leaving_them_waiting():

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from pathlib import Path
 
 from ray import serve
 from ray.experimental import internal_kv
@@ -12,6 +13,7 @@ from app.backends import create_backend
 from app.channel import Outbound, ReplyTo
 from app.config import ServiceConfig
 from app.engine import InvalidRequestError, SamplingParams
+from app.engine.lora_loader import check_adapter_files
 from app.engine.llm_engine import merge_outputs
 from app.protocol.messages import AdapterRef
 from deployments.metrics import EngineMetrics
@@ -23,6 +25,11 @@ MAX_ADAPTERS_PER_REPLICA = 64  # what Serve's multiplexed routing tracks per rep
 # loads it from here. Ray's GCS key-value store outlives replicas and costs no process of its own.
 ADAPTER_PATHS = "llm-serve-adapters"
 logger = logging.getLogger("ray.serve")
+
+
+def _rebound(adapter: AdapterRef) -> InvalidRequestError:
+    return InvalidRequestError(adapter.field, f"LoRA adapter '{adapter.name}' is already bound to another path; "
+                                              "send the new adapter under a new name", status=409)
 
 
 @serve.deployment(name="Engine")
@@ -38,7 +45,8 @@ class EngineDeployment:
             self.launcher = PlacementGroupLauncher(config.device)
         self.backend = create_backend(config, adapters, self.launcher)
         self.app_name = serve.get_replica_context().app_name
-        self.bound = set(adapters)  # names this replica loaded, or will load, from a path
+        self.bound = dict(adapters)  # name -> path, for the names loaded here under the app's binding
+        self.max_lora_rank = config.max_lora_rank
         self.outbound = Outbound(merge_outputs, config.serve.engine.stream_interval_ms)
         self.metrics = EngineMetrics(config.name, self.backend.stats)
 
@@ -47,33 +55,45 @@ class EngineDeployment:
         """Send the request's RequestOutput deltas to `reply_to` (app/channel.py) and return once the
         last is written. Cancelling this call, or the consumer's death, aborts the request."""
         if adapter is not None:
-            if adapter.name not in self.bound:
-                adapter = await self._recorded(adapter)
+            adapter = await self._bound(adapter)
             await self._mark_resident(serve.get_multiplexed_model_id())
         outputs = self.backend.generate(request_id, prompt_token_ids, params, adapter)
         await self.outbound.stream(reply_to, outputs)
-        if adapter is not None and adapter.path is not None and adapter.name not in self.bound:
-            self.bound.add(adapter.name)  # it loaded: other replicas may load it by name from now on
-            try:
-                await asyncio.to_thread(internal_kv._internal_kv_put, self._key(adapter.name), adapter.path,
-                                        overwrite=False, namespace=ADAPTER_PATHS)
-            except Exception:  # noqa: BLE001 - the answer is out whole; failing the call now could
-                # reach the consumer before its last frame does, and turn a finished answer into an error
-                logger.warning("could not record adapter %r's path for other replicas", adapter.name,
-                               exc_info=True)
+        if adapter is not None and adapter.path is not None:
+            self.bound[adapter.name] = adapter.path  # loaded here: its later requests skip the store
 
-    async def _recorded(self, adapter: AdapterRef) -> AdapterRef:
-        """The adapter with the path another replica bound its name to, if one did: a name keeps one
-        path on every replica (another path is a 409), and a recorded path must still lie inside this
-        app's lora_roots (the config may have changed since it was recorded)."""
-        recorded = await asyncio.to_thread(internal_kv._internal_kv_get, self._key(adapter.name),
-                                           namespace=ADAPTER_PATHS)
+    async def _bound(self, adapter: AdapterRef) -> AdapterRef:
+        """The adapter under the path this app binds its name to. A name keeps one path on every
+        replica, for good: its first use with a path claims the name in Ray's key-value store before
+        anything loads, and another path is then a 409. What can be checked without the model and
+        the weights is checked before the claim, so that a name is not bound to a directory that is
+        no adapter. A claim is never given back, even when the load fails later: freeing one safely
+        would need to know that no replica serves it, and the name can always be sent again with the
+        same path (after the files are mended) or a new name taken. A recorded path must still lie
+        inside this app's lora_roots (the config may have changed since it was recorded)."""
+        known = self.bound.get(adapter.name)
+        if known is not None and adapter.path in (None, known):
+            return adapter
+        if known is not None:
+            raise _rebound(adapter)
+        key = self._key(adapter.name)
+        if adapter.path is not None:  # resolved inside lora_roots by the Ingress
+            await asyncio.to_thread(check_adapter_files, adapter.name, Path(adapter.path), self.max_lora_rank,
+                                    adapter.field)
+            try:
+                existed = await asyncio.to_thread(internal_kv._internal_kv_put, key, adapter.path,
+                                                  overwrite=False, namespace=ADAPTER_PATHS)
+            except Exception:  # noqa: BLE001 - serve it bound on this replica alone, as without a store
+                logger.warning("could not record adapter %r's path for other replicas", adapter.name, exc_info=True)
+                return adapter
+            if not existed:
+                return adapter
+        recorded = await asyncio.to_thread(internal_kv._internal_kv_get, key, namespace=ADAPTER_PATHS)
         if recorded is None:
             return adapter
         recorded = recorded.decode()
         if adapter.path is not None and adapter.path != recorded:
-            raise InvalidRequestError(adapter.field, f"LoRA adapter '{adapter.name}' is already bound to another "
-                                                     "path; send the new adapter under a new name", status=409)
+            raise _rebound(adapter)
         return self.policy.resolve(AdapterRef(adapter.name, recorded, adapter.field))
 
     def _key(self, name: str) -> str:

@@ -57,6 +57,8 @@ class LoRAAdapter:
 FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")  # the safetensors dtypes a LoRA weight may have
 # PEFT's tensor names: [prefix.]layers.<i>.<self_attn|mlp>.<module>.lora_<A|B>.weight
 PEFT_KEY = re.compile(r"(?:.*\.)?layers\.(\d{1,9})\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight")
+NOT_AN_ADAPTER = ("its directory must hold adapter_config.json and adapter_model.safetensors (PEFT) "
+                  "or model.lora_weights.npy and model.lora_config.npy (TensorRT-LLM)")
 # The adapter_config.json fields read here and the JSON types each may have (null counts as absent).
 CONFIG_TYPES = {"peft_type": (str,), "r": (int,), "lora_alpha": (int, float), "use_rslora": (bool,),
                 "target_modules": (list, str), "exclude_modules": (list, str)}
@@ -101,8 +103,7 @@ def load_peft_adapter(name: str, path: Path, max_rank: int, shapes: dict[str, tu
     itself is checked."""
     check = AdapterCheck(name, "lora_path")
     if not _holds(path, "adapter_config.json", "adapter_model.safetensors"):
-        raise check.fail("its directory must hold adapter_config.json and adapter_model.safetensors (PEFT) "
-                         "or model.lora_weights.npy and model.lora_config.npy (TensorRT-LLM)")
+        raise check.fail(NOT_AN_ADAPTER)
     config = _peft_config(check, path / "adapter_config.json", max_rank)
     rank = config["r"]
     pairs = _peft_tensors(check, path / "adapter_model.safetensors", rank, shapes, num_layers)
@@ -160,9 +161,10 @@ def _scaling(check: AdapterCheck, config: dict, rank: int) -> float:
 
 
 def _peft_tensors(check: AdapterCheck, file: Path, rank: int, shapes: dict[str, tuple[int, int]] | None,
-                  num_layers: int | None) -> dict[tuple[int, str], dict[str, torch.Tensor]]:
+                  num_layers: int | None, read: bool = True) -> dict[tuple[int, str], dict[str, torch.Tensor]]:
     """(layer, module) -> {"A": [rank, in], "B": [out, rank]}, float32. Each tensor's name, dtype
-    and shape are checked from the file's header before its data is read."""
+    and shape are checked from the file's header before its data is read; with `read` False the
+    data is not read (the pairs hold None)."""
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     with check.reading("adapter_model.safetensors"), safe_open(file, framework="pt") as f:
         for key in f.keys():
@@ -173,7 +175,7 @@ def _peft_tensors(check: AdapterCheck, file: Path, rank: int, shapes: dict[str, 
             if which in pair:
                 raise check.fail(f"{where} appears twice")
             _check_header(check, where, f.get_slice(key), which, rank, shapes[module] if shapes else None)
-            pair[which] = check.finite(where, f.get_tensor(key).float())
+            pair[which] = check.finite(where, f.get_tensor(key).float()) if read else None
     if not pairs:
         raise check.fail("adapter_model.safetensors holds no LoRA weights")
     for (layer, module), pair in pairs.items():
@@ -322,6 +324,21 @@ def to_trtllm_arrays(adapter: LoRAAdapter):
     for i, row in enumerate(rows):
         weights[i, :len(row)] = row
     return weights, np.asarray(config, dtype=np.int32)
+
+
+def check_adapter_files(name: str, path: Path, max_rank: int, field: str) -> None:
+    """What can be checked of an adapter without the model and without reading its weights: a
+    directory in one of the two formats, and for PEFT a config we apply and tensors whose names,
+    dtypes and ranks its headers give as the config says. The Engine stage runs it before it binds
+    a name to the path for every replica (deployments/engine.py)."""
+    check = AdapterCheck(name, field)
+    if _holds(path, "model.lora_weights.npy", "model.lora_config.npy"):
+        return
+    if not _holds(path, "adapter_config.json", "adapter_model.safetensors"):
+        raise check.fail(NOT_AN_ADAPTER)
+    config = _peft_config(check, path / "adapter_config.json", max_rank)
+    _check_targets(check, config, _peft_tensors(check, path / "adapter_model.safetensors", config["r"], None,
+                                                None, read=False))
 
 
 def load_adapter(name: str, path: Path, max_rank: int, shapes: dict[str, tuple[int, int]],

@@ -284,6 +284,40 @@ def test_a_bad_adapter_is_refused_whole(engine_with_a, adapter_dirs, tmp_path, c
     assert engine_with_a.runner.loras.host["a"] is held
 
 
+# What check_adapter_files cannot see: the model's layers and widths, the weights' values, and the
+# TensorRT-LLM format's arrays.
+NEEDS_MODEL_OR_WEIGHTS = {"layer_out_of_range", "shape_of_another_module", "not_finite", "npy_rows_too_short",
+                          "npy_layer_out_of_range", "npy_pickled"}
+
+
+@pytest.mark.parametrize("case", BAD_ADAPTERS)
+def test_the_check_before_a_name_is_bound_refuses_what_it_can_see(adapter_dirs, tmp_path, case):
+    """The Engine stage checks an adapter's files before it binds a name to them for every replica
+    (the binding is never given back): whatever is wrong in the files themselves is refused there,
+    with the message the full load gives (less the model's widths)."""
+    from app.engine.lora_loader import check_adapter_files
+
+    spoil, field, problem = BAD_ADAPTERS[case]
+    if case == "rank_mismatch":  # without the model its widths are not known
+        problem = r"lora_A of layers\.0 q_proj is \[4, 64\] but rank 2 needs \[2, any\]"
+    spoil(adapter_dirs["a"], tmp_path / "bad")
+    if case in NEEDS_MODEL_OR_WEIGHTS:
+        check_adapter_files("a", tmp_path / "bad", 64, "lora_path")
+        return
+    with pytest.raises(InvalidRequestError, match=problem) as refused:
+        check_adapter_files("a", tmp_path / "bad", 64, "lora_path")
+    assert refused.value.field == field and refused.value.message.startswith("adapter 'a': ")
+
+
+def test_the_check_before_a_name_is_bound_passes_good_adapters_and_refuses_empty_directories(adapter_dirs, tmp_path):
+    from app.engine.lora_loader import check_adapter_files
+
+    for name, path in adapter_dirs.items():
+        check_adapter_files(name, path, 64, "lora_path")
+    with pytest.raises(InvalidRequestError, match="must hold adapter_config.json"):
+        check_adapter_files("x", tmp_path, 64, "lora_path")
+
+
 def test_refused_adapters_never_reach_a_step(engine_with_a, adapter_dirs, expected, tmp_path):
     """After every bad adapter, under the served name and under names of their own, the engine
     serves the same batch with the same tokens as before."""

@@ -7,6 +7,7 @@ import pytest
 
 from tests.conftest import hf_greedy
 from tests.conftest import ADAPTER_SEEDS
+from tests.serve.test_isolation import _broken_adapter
 
 PROMPT = "Write a short greeting:"
 
@@ -121,6 +122,37 @@ def test_replica_affinity_for_adapters(two_engine_server, lora_root, peft_text):
             assert r.json()["text_output"] == peft_text["chef"]
         for _ in range(4):  # base-model requests still work on either replica
             assert send().json()["text_output"] == peft_text[None]
+
+
+def test_two_first_uses_of_a_name_at_once_bind_it_to_one_path(two_engine_server, lora_root, peft_text):
+    """Two first uses of one name with different paths at the same moment, on two engine replicas:
+    one binds the name and the other gets 409, and the name then serves the winner's weights on
+    every replica. The name used to be recorded for other replicas only after its first answer, so
+    each replica could bind it to its own path, and both answered 200."""
+    with httpx.Client(base_url=two_engine_server, timeout=120) as client:
+        def send(**fields):
+            return client.post("/v2/models/ensemble/generate",
+                               json={"text_input": PROMPT, "max_tokens": 12, **fields})
+
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            for k in range(4):
+                name = f"raced-{k}"
+                answers = list(pool.map(lambda a: send(lora_task_id=name, lora_path=str(lora_root / a)),
+                                        ("poet", "chef")))
+                assert sorted(r.status_code for r in answers) == [200, 409], [r.text for r in answers]
+                winner = "poet" if answers[0].status_code == 200 else "chef"
+                assert answers[("poet", "chef").index(winner)].json()["text_output"] == peft_text[winner]
+                for _ in range(4):
+                    r = send(lora_task_id=name)
+                    assert r.status_code == 200 and r.json()["text_output"] == peft_text[winner], r.text
+        # A directory that is no adapter, or whose files contradict each other (tensors of another
+        # rank than its config's), is refused before its name is bound: the name stays free.
+        (lora_root / "not-an-adapter").mkdir(exist_ok=True)
+        for bad in (str(lora_root / "not-an-adapter"), _broken_adapter(lora_root)):
+            r = send(lora_task_id="mended", lora_path=bad)
+            assert r.status_code == 400 and "'mended'" in r.json()["error"], r.text
+        r = send(lora_task_id="mended", lora_path=str(lora_root / "poet"))
+        assert r.status_code == 200 and r.json()["text_output"] == peft_text["poet"], r.text
 
 
 def test_a_used_name_cannot_be_rebound(http, lora_root, peft_text):

@@ -47,6 +47,9 @@ class EngineDeployment:
         self.app_name = serve.get_replica_context().app_name
         self.bound = dict(adapters)  # name -> path, for the names loaded here under the app's binding
         self.max_lora_rank = config.max_lora_rank
+        # TensorRT-LLM reads adapters with its own loader, which takes forms ours refuses (fused
+        # modules, modules_to_save): it alone checks what it loads.
+        self.check_files = config.backend != "trtllm"
         self.outbound = Outbound(merge_outputs, config.serve.engine.stream_interval_ms)
         self.metrics = EngineMetrics(config.name, self.backend.stats)
 
@@ -77,18 +80,22 @@ class EngineDeployment:
         if known is not None:
             raise _rebound(adapter)
         key = self._key(adapter.name)
-        if adapter.path is not None:  # resolved inside lora_roots by the Ingress
-            await asyncio.to_thread(check_adapter_files, adapter.name, Path(adapter.path), self.max_lora_rank,
-                                    adapter.field)
-            try:
+        try:
+            if adapter.path is not None:  # resolved inside lora_roots by the Ingress
+                if self.check_files:
+                    await asyncio.to_thread(check_adapter_files, adapter.name, Path(adapter.path),
+                                            self.max_lora_rank, "lora_path")
                 existed = await asyncio.to_thread(internal_kv._internal_kv_put, key, adapter.path,
                                                   overwrite=False, namespace=ADAPTER_PATHS)
-            except Exception:  # noqa: BLE001 - serve it bound on this replica alone, as without a store
-                logger.warning("could not record adapter %r's path for other replicas", adapter.name, exc_info=True)
-                return adapter
-            if not existed:
-                return adapter
-        recorded = await asyncio.to_thread(internal_kv._internal_kv_get, key, namespace=ADAPTER_PATHS)
+                if not existed:
+                    return adapter
+            recorded = await asyncio.to_thread(internal_kv._internal_kv_get, key, namespace=ADAPTER_PATHS)
+        except InvalidRequestError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - unbound is safer than bound on this replica alone
+            logger.warning("could not bind adapter %r in Ray's key-value store", adapter.name, exc_info=True)
+            raise InvalidRequestError(adapter.field, f"LoRA adapter '{adapter.name}' could not be bound for the "
+                                                     "app's replicas now; retry", status=503) from exc
         if recorded is None:
             return adapter
         recorded = recorded.decode()

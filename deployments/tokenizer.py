@@ -33,15 +33,16 @@ class TokenizerDeployment:
         """Each job's tokens, or the error that refuses it: one job's error is its own (the Ingress
         sends the jobs that reached it together as one call, app/batching.py). Text prompts are
         encoded as one batch: a wave of them is not tokenized one after another."""
-        texts = [job.prompt for job in jobs if _text_prompt(job)]
+        texts = {i: job.prompt for i, job in enumerate(jobs)
+                 if job.messages is None and job.prompt_token_ids is None and isinstance(job.prompt, str)}
         try:
-            encoded = iter(self.tokenizer.encode_many(texts) if texts else ())
+            encoded = dict(zip(texts, self.tokenizer.encode_many(list(texts.values())))) if texts else {}
         except Exception:  # noqa: BLE001 - each job is encoded on its own below, and fails alone
-            encoded = iter([None] * len(texts))
+            encoded = {}
         results: list[TokenizedJob | Exception] = []
-        for job in jobs:
+        for i, job in enumerate(jobs):
             try:
-                results.append(self._tokenize(job, next(encoded) if _text_prompt(job) else None))
+                results.append(self._tokenize(job, encoded.get(i)))
             except InvalidRequestError as exc:
                 results.append(exc)
             except Exception:  # noqa: BLE001 - a bug here must not fail the other jobs of the call
@@ -68,7 +69,3 @@ class TokenizerDeployment:
         if job.echo:  # the text as sent; token ids as they decode
             echo = job.prompt if job.prompt is not None else self.tokenizer.decode(ids)
         return TokenizedJob(job.request_id, ids, params, job.stop, job.adapter, echo)
-
-
-def _text_prompt(job: GenerationJob) -> bool:
-    return job.messages is None and job.prompt_token_ids is None and isinstance(job.prompt, str)

@@ -11,6 +11,7 @@ from app.backends.base import AdapterTable
 from app.config import ServiceConfig
 from app.engine import AsyncLLMEngine, InvalidRequestError, LLMEngine, SamplingParams
 from app.engine.errors import AdapterNotLoadedError
+from app.engine.cpu_team import on_passing_thread
 from app.engine.engine_process import EngineProcess
 from app.engine.executor import WorkerLauncher
 from app.protocol.messages import AdapterRef
@@ -31,10 +32,15 @@ class TorchBackend:
             return
         if threads:  # parallel ranks split the cores among them
             torch.set_num_threads(threads)
-        engine = LLMEngine(config.engine_config(), launcher)
-        for name, path in adapters.items():  # before the loop starts: a broken adapter stops start-up
-            engine.add_lora(name, path)
-        self.engine = AsyncLLMEngine(config.engine_config(), engine=engine, step_timeout_s=config.step_timeout_s)
+
+        def build() -> LLMEngine:
+            engine = LLMEngine(config.engine_config(), launcher)
+            for name, path in adapters.items():  # before the loop starts: a broken adapter stops start-up
+                engine.add_lora(name, path)
+            return engine
+        # Not on this thread, which lives on: the loop's OpenMP team must be the only one (app/engine/cpu_team.py).
+        self.engine = AsyncLLMEngine(config.engine_config(), engine=on_passing_thread(build),
+                                     step_timeout_s=config.step_timeout_s)
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        adapter: AdapterRef | None = None):

@@ -28,6 +28,7 @@ from contextlib import aclosing
 from dataclasses import dataclass
 
 from app.engine.config import EngineConfig
+from app.engine.cpu_team import on_passing_thread
 from app.engine.errors import EngineDeadError, EngineStepError, InvalidRequestError
 from app.engine.llm_engine import LLMEngine
 from app.engine.outputs import EngineStats, RequestOutput
@@ -92,7 +93,7 @@ async def stream_request(engine, request_id: str, submit: Callable[[], None]) ->
 
 class AsyncLLMEngine:
     def __init__(self, config: EngineConfig, engine: LLMEngine | None = None, step_timeout_s: float = 60.0):
-        self.engine = engine or LLMEngine(config)
+        self.engine = engine or on_passing_thread(LLMEngine, config)  # app/engine/cpu_team.py
         self.step_timeout_s = step_timeout_s
         self._step_started: float | None = None  # monotonic start of the step in progress
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
@@ -117,10 +118,11 @@ class AsyncLLMEngine:
             yield item
 
     async def add_lora(self, name: str, path: str) -> None:
-        """Prepare an adapter on the loader thread, then register it on the loop thread."""
+        """Prepare an adapter off the loop (app/engine/cpu_team.py), then register it on the loop thread."""
         self._raise_if_dead()
         try:
-            prepared = await asyncio.wrap_future(self._loader.submit(self.engine.prepare_lora, name, path))
+            preparing = self._loader.submit(on_passing_thread, self.engine.prepare_lora, name, path)
+            prepared = await asyncio.wrap_future(preparing)
         except asyncio.CancelledError:
             self._raise_if_dead()  # shut down with the load still queued: say so, not "cancelled"
             raise

@@ -28,6 +28,7 @@ from collections.abc import AsyncIterator
 
 from app.engine.async_engine import STATS_INTERVAL_S, Command, _Stream, stream_request
 from app.engine.config import EngineConfig
+from app.engine.cpu_team import on_passing_thread
 from app.engine.errors import EngineDeadError
 from app.engine.outputs import EngineStats
 from app.engine.sampling_params import SamplingParams, validate_request
@@ -202,7 +203,7 @@ def _child_main(config: EngineConfig, adapters: dict[str, str], cpu_threads: int
                     return
                 if command is Command.ADD_LORA:
                     token, name, path = arg
-                    loads.append((token, name, path, loader.submit(engine.prepare_lora, name, path)))
+                    loads.append((token, name, path, loader.submit(on_passing_thread, engine.prepare_lora, name, path)))
                 else:
                     _apply(engine, conn, command, arg)
                 busy = engine.has_unfinished_requests()

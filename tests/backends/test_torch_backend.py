@@ -1,5 +1,11 @@
 """The torch backend (the default) in-process, without Ray: what it adds to the engine."""
 import asyncio
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 from app.backends.torch_backend import TorchBackend
 from app.config import ServiceConfig
@@ -65,3 +71,56 @@ def test_more_new_adapters_at_once_than_the_host_cache_holds_all_answer(smollm2_
         small.shutdown()
         roomy.shutdown()
     assert got == want and len(set(map(tuple, want))) == len(names)
+
+
+REPO = Path(__file__).resolve().parents[2]
+# In a fresh interpreter: pytest's own thread has run torch's CPU ops (an OpenMP team of its own).
+ONE_TEAM_SCRIPT = textwrap.dedent("""
+    import asyncio, json, os, sys
+    import torch
+    from app.backends.torch_backend import TorchBackend
+    from app.config import ServiceConfig
+    from app.engine import SamplingParams
+    from app.protocol.messages import AdapterRef
+
+    model, lora_root = sys.argv[1:]
+    backend = TorchBackend(ServiceConfig(model=model, lora_roots=[lora_root], cpu_threads=os.cpu_count(),
+                                         kv_cache_config={"max_tokens": 4096}), {})
+
+    async def answer(n, adapter=None):
+        params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+        async for _ in backend.generate(f"r{n}", list(range(1, 65)), params, adapter):
+            pass
+
+    def switches():
+        with open(f"/proc/self/task/{backend.engine._thread.native_id}/status") as status:
+            return int(status.read().split("\\nvoluntary_ctxt_switches:")[1].split()[0])
+
+    # The loader's thread too. Folding an 8B-shape adapter runs parallel regions; SmolLM2's small
+    # test adapters do not, so a large product stands in for that part of the work.
+    prepare = backend.engine.engine.prepare_lora
+    def prepare_large(*args):  # every torch op here, even making the operands, on the loader's side
+        torch.ones(1024, 1024) @ torch.ones(1024, 1024)
+        return prepare(*args)
+    backend.engine.engine.prepare_lora = prepare_large
+    asyncio.run(answer(2, AdapterRef("chef", f"{lora_root}/chef", "lora_path")))
+    before, steps = switches(), backend.engine.engine.num_steps
+    asyncio.run(answer(48))
+    print(json.dumps({"switches": switches() - before, "steps": backend.engine.engine.num_steps - steps}))
+    backend.shutdown()
+""")
+
+
+def test_the_engine_loop_keeps_the_only_openmp_team(smollm2_dir, lora_root):
+    """While more OpenMP team threads live than there are cores, libgomp has them sleep at every
+    barrier instead of spinning (app/engine/cpu_team.py), and the loop thread then waits on the
+    kernel in each of a step's hundreds of parallel regions. The model was loaded on the
+    constructor's thread, whose team lived on beside the loop's: the loop thread slept about a
+    hundred times a decode step, and a 2-core engine at one stream took 50 ms a token instead of 37.
+    With the loop's team the only one it sleeps only when a step is done and none is due."""
+    run = subprocess.run([sys.executable, "-c", ONE_TEAM_SCRIPT, str(smollm2_dir), str(lora_root)],
+                         capture_output=True, text=True, timeout=300, cwd=REPO,
+                         env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert run.returncode == 0, run.stderr[-2000:]
+    measured = json.loads(run.stdout.strip().splitlines()[-1])
+    assert measured["steps"] >= 48 and measured["switches"] < 2 * measured["steps"], measured

@@ -7,6 +7,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 from app.backends.torch_backend import TorchBackend
 from app.config import ServiceConfig
 from app.engine import SamplingParams
@@ -84,7 +86,7 @@ ONE_TEAM_SCRIPT = textwrap.dedent("""
     from app.protocol.messages import AdapterRef
 
     model, lora_root = sys.argv[1:]
-    backend = TorchBackend(ServiceConfig(model=model, lora_roots=[lora_root], cpu_threads=os.cpu_count(),
+    backend = TorchBackend(ServiceConfig(model=model, lora_roots=[lora_root], cpu_threads=len(os.sched_getaffinity(0)),
                                          kv_cache_config={"max_tokens": 4096}), {})
 
     async def answer(n, adapter=None):
@@ -116,11 +118,16 @@ def test_the_engine_loop_keeps_the_only_openmp_team(smollm2_dir, lora_root):
     barrier instead of spinning (app/engine/cpu_team.py), and the loop thread then waits on the
     kernel in each of a step's hundreds of parallel regions. The model was loaded on the
     constructor's thread, whose team lived on beside the loop's: the loop thread slept about a
-    hundred times a decode step, and a 2-core engine at one stream took 50 ms a token instead of 37.
-    With the loop's team the only one it sleeps only when a step is done and none is due."""
+    hundred times a decode step (through the DAG a 2-core engine at one stream took 50 ms a token,
+    43-47 ms with one team). With the loop's team the only one it sleeps only now and then, when
+    another process takes its core (under 1 a step alone, up to ~1.5 a step on a busy 2-core box)."""
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("one CPU: a team has no second thread to sleep")
+    # As torch's defaults have it: an inherited wait policy would make even one team sleep.
+    env = {key: value for key, value in os.environ.items() if not key.startswith(("OMP_", "GOMP_"))}
     run = subprocess.run([sys.executable, "-c", ONE_TEAM_SCRIPT, str(smollm2_dir), str(lora_root)],
                          capture_output=True, text=True, timeout=300, cwd=REPO,
-                         env={**os.environ, "PYTHONPATH": str(REPO)})
+                         env={**env, "PYTHONPATH": str(REPO)})
     assert run.returncode == 0, run.stderr[-2000:]
     measured = json.loads(run.stdout.strip().splitlines()[-1])
-    assert measured["steps"] >= 48 and measured["switches"] < 2 * measured["steps"], measured
+    assert measured["steps"] >= 48 and measured["switches"] < 20 * measured["steps"], measured

@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a scri
 from app.engine import EngineConfig, LLMEngine, SamplingParams
 from app.engine.guided import Guide
 from app.engine.worker import resolve_dtype
+from app.heap import freeze_startup_heap, startup_heap_frozen
 from tools.bench.engine_runner import run_engine
 from tools.bench.report import stages_table, table
 from tools.bench.workload import fresh_prompts, run_seed, synthetic
@@ -60,6 +61,7 @@ def engine_command(args) -> dict:
                    args.ignore_eos, args.concurrency, args.request_rate, args.arrival)
     wl = replace(wl, temperature=args.temperature, top_p=args.top_p)
     engine.generate([[100] * 16], SamplingParams(max_tokens=4, temperature=0.0))  # warm-up, on no prompt's tokens
+    freeze_startup_heap()  # as the engine's serving processes do (app/heap.py)
     results = [run_engine(engine, wl)]
     if args.adapters:
         import tempfile
@@ -191,13 +193,15 @@ def serve_command(args) -> dict:
         # The warm-up compiles the schema too: its cold compile (seconds) is not a level's to carry.
         engine.generate([[100] * 16], SamplingParams(max_tokens=4, temperature=0.0,
                                                      guide=GUIDED_GUIDE if args.guided else None))
-        for c, wl in workloads.items():
-            if args.guided:
-                results += _guided_pair(lambda w, name: run_engine(engine, w, name), wl, vocab, args.seed, f"engine c={c}")
-                continue
-            results.append(run_engine(engine, wl, f"engine c={c}"))
-            if names:  # the base model and the adapters mixed, back to back on the same engine
-                results.append(run_engine(engine, spread[c], f"engine c={c}{label}"))
+        with startup_heap_frozen():  # as the engine's serving processes run (app/heap.py)
+            for c, wl in workloads.items():
+                if args.guided:
+                    results += _guided_pair(lambda w, name: run_engine(engine, w, name), wl, vocab, args.seed,
+                                            f"engine c={c}")
+                    continue
+                results.append(run_engine(engine, wl, f"engine c={c}"))
+                if names:  # the base model and the adapters mixed, back to back on the same engine
+                    results.append(run_engine(engine, spread[c], f"engine c={c}{label}"))
         engine.shutdown()
         del engine
         gc.collect()

@@ -32,6 +32,7 @@ from app.engine.cpu_team import on_passing_thread
 from app.engine.errors import EngineDeadError
 from app.engine.outputs import EngineStats
 from app.engine.sampling_params import SamplingParams, validate_request
+from app.heap import freeze_startup_heap
 
 logger = logging.getLogger(__name__)
 START_TIMEOUT_S = 1800.0  # loading a large model from a slow disk
@@ -190,6 +191,7 @@ def _child_main(config: EngineConfig, adapters: dict[str, str], cpu_threads: int
     except BaseException as exc:  # noqa: BLE001 - the replica raises it, with its message
         conn.send(("error", RuntimeError(f"the engine could not start: {type(exc).__name__}: {exc}")))
         return
+    freeze_startup_heap()  # app/heap.py: a full collection would stop the loop for 100+ ms
     conn.send(("ready", engine.limits, engine.stats()))
     stats_at = time.monotonic()
     loader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="adapter-loader")

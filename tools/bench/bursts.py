@@ -16,8 +16,8 @@ from pathlib import Path
 
 import torch
 
-from app.engine import EngineConfig, LLMEngine, SamplingParams
-from tools.bench.engine_runner import run_engine
+from app.engine import LLMEngine, SamplingParams
+from tools.bench.engine_runner import add_wave_arguments, run_engine, wave_engine_config
 from tools.bench.workload import run_seed, synthetic
 
 
@@ -37,23 +37,14 @@ def allocator_segments() -> int:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", default="configs/shapes/llama-3.1-8b")
-    p.add_argument("--load-format", default="dummy")
-    p.add_argument("--device", default="cuda")
-    p.add_argument("--dtype", default="bfloat16")
+    add_wave_arguments(p)
     p.add_argument("--bursts", type=int, default=3)
     p.add_argument("--num-requests", type=int, default=1024)
     p.add_argument("--concurrency", type=int, default=256)
-    p.add_argument("--input-len", default="128")
-    p.add_argument("--output-len", type=int, default=128)
-    p.add_argument("--max-num-tokens", type=int, default=8192)
-    p.add_argument("--kv-tokens", type=int, default=262144)
     p.add_argument("--slow-ms", type=float, default=250.0)
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
-    config = EngineConfig(model=args.model, load_format=args.load_format, device=args.device, dtype=args.dtype,
-                          max_batch_size=args.concurrency, max_num_tokens=args.max_num_tokens,
-                          kv_cache_config={"max_tokens": args.kv_tokens, "tokens_per_block": 32})
+    config = wave_engine_config(args, args.concurrency)
     started = time.perf_counter()
     engine = LLMEngine(config)
     print(f"engine up in {time.perf_counter() - started:.1f} s, pool {engine.limits.max_cache_tokens} tokens")

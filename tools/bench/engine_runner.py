@@ -4,7 +4,7 @@ from __future__ import annotations
 import time
 from dataclasses import replace
 
-from app.engine import LLMEngine, SamplingParams
+from app.engine import EngineConfig, LLMEngine, SamplingParams
 from app.engine.guided import Guide
 from tools.bench.report import RequestTiming, RunResult, summarize
 from tools.bench.workload import Workload
@@ -49,3 +49,21 @@ def run_engine(engine: LLMEngine, wl: Workload, name: str = "ours") -> RunResult
     result = summarize(name, wall, timings, sum(len(p) for p in wl.prompts), extra)
     result.output_lens = [tokens[rid] for rid in arrived]
     return result
+
+
+def add_wave_arguments(p) -> None:
+    """The engine and workload of the tools that run waves of one shape on one engine (bursts, spread)."""
+    p.add_argument("--model", default="configs/shapes/llama-3.1-8b")
+    p.add_argument("--load-format", default="dummy")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--input-len", default="128")
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--max-num-tokens", type=int, default=8192)
+    p.add_argument("--kv-tokens", type=int, default=262144)
+
+
+def wave_engine_config(args, max_batch_size: int, **options) -> EngineConfig:
+    return EngineConfig(model=args.model, load_format=args.load_format, device=args.device, dtype=args.dtype,
+                        max_batch_size=max_batch_size, max_num_tokens=args.max_num_tokens,
+                        kv_cache_config={"max_tokens": args.kv_tokens, "tokens_per_block": 32}, **options)

@@ -186,8 +186,8 @@ class ServiceConfig(_Strict):
                                             "passed to tensorrt_llm.LLM as is")
     llm_args: dict = Field(default_factory=dict, description="backend trtllm: further tensorrt_llm.LLM arguments")
     triton: TritonSection | None = None
-    cpu_threads: int | None = Field(None, ge=1, description="torch threads of a CPU engine; default: every core "
-                                    "(Ray would otherwise give it one per reserved CPU)")
+    cpu_threads: int | None = Field(None, ge=1, description="torch threads of a CPU engine; default: every CPU the "
+                                    "process may run on (Ray would otherwise give it one per reserved CPU)")
     serve: ServeSection = ServeSection()
     routing: RoutingSection = RoutingSection()
     check_placement: bool = Field(True, description="refuse to start when the cluster cannot hold one engine "

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import asyncio
-import os
 from contextlib import aclosing
 
 import torch
@@ -13,7 +12,7 @@ from app.engine import AsyncLLMEngine, InvalidRequestError, LLMEngine, SamplingP
 from app.engine.errors import AdapterNotLoadedError
 from app.engine.cpu_team import on_passing_thread
 from app.engine.engine_process import EngineProcess
-from app.engine.executor import WorkerLauncher
+from app.engine.executor import WorkerLauncher, cpu_threads_per_rank
 from app.protocol.messages import AdapterRef
 
 
@@ -22,7 +21,7 @@ class TorchBackend:
 
     def __init__(self, config: ServiceConfig, adapters: dict[str, str], launcher: WorkerLauncher | None = None):
         one_cpu_rank = config.device == "cpu" and config.world_size == 1
-        threads = (config.cpu_threads or os.cpu_count()) if one_cpu_rank else None
+        threads = (config.cpu_threads or cpu_threads_per_rank(1)) if one_cpu_rank else None
         self.adapters = AdapterTable()
         for name, path in adapters.items():
             self.adapters.register(name, path)

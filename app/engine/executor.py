@@ -33,7 +33,11 @@ def free_port(host: str) -> int:
 
 
 def cpu_threads_per_rank(world_size: int) -> int:
-    return max(1, (os.cpu_count() or 1) // world_size)
+    """The CPUs this process may run on, shared among the ranks. Not os.cpu_count(), the host's: in a
+    container pinned to fewer CPUs, that many threads outnumber the CPUs, and OpenMP's threads then
+    sleep at every barrier instead of spinning (app/engine/cpu_team.py says what that costs)."""
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, usable // world_size)
 
 
 class ProcessLauncher:

@@ -2,6 +2,9 @@
 device produces: greedy tokens equal transformers', logprobs and beams equal the single-device
 engine's, LoRA adapters sharded with the layers, under preemption and block reuse."""
 import multiprocessing
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -90,3 +93,16 @@ def test_a_rank_refuses_a_command_it_does_not_know(single_engine):
     with pytest.raises(ValueError, match="unknown command 'resize' from rank 0"):
         run_command(shard, "resize")
     assert run_command(shard, RankCommand.STOP) is False
+
+
+def test_cpu_ranks_share_the_cpus_this_process_may_run_on():
+    """A process pinned to one CPU gives each rank one thread, whatever the host has: more threads
+    than CPUs would make OpenMP's threads sleep at every barrier (app/engine/cpu_team.py)."""
+    script = ("import os; os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}); "
+              "from app.engine.executor import cpu_threads_per_rank; "
+              "print(os.cpu_count(), cpu_threads_per_rank(1), cpu_threads_per_rank(2))")
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
+                         cwd=Path(__file__).resolve().parents[2])
+    assert run.returncode == 0, run.stderr
+    host, one_rank, two_ranks = map(int, run.stdout.split())
+    assert (one_rank, two_ranks) == (1, 1), f"pinned to one of the host's {host} CPUs"

@@ -9,7 +9,6 @@ from app.channel import Inbound, Outbound, ReplyTo
 from app.config import ServiceConfig
 from app.detokenize import text_chunks
 from app.engine.llm_engine import merge_outputs
-from app.heap import freeze_startup_heap
 from app.protocol.messages import TokenizedJob, merge_chunks
 from app.text import Tokenizer
 from deployments.handles import for_this_replica
@@ -23,7 +22,6 @@ class DetokenizerDeployment:
         self.engine = for_this_replica(engine)
         self.inbound = Inbound(ray.util.get_node_ip_address(), merge_outputs)  # from the engines
         self.outbound = Outbound(merge_chunks, config.serve.detokenizer.stream_interval_ms)  # to the Ingresses
-        freeze_startup_heap()
 
     async def generate(self, job: TokenizedJob, reply_to: ReplyTo) -> None:
         """Send the job's text chunks to `reply_to` and return once the last is written. Cancelling

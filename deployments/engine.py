@@ -13,9 +13,8 @@ from app.backends import create_backend
 from app.channel import Outbound, ReplyTo
 from app.config import ServiceConfig
 from app.engine import InvalidRequestError, SamplingParams
-from app.engine.llm_engine import merge_outputs
 from app.engine.lora_loader import check_adapter_files
-from app.heap import freeze_startup_heap
+from app.engine.llm_engine import merge_outputs
 from app.protocol.messages import AdapterRef
 from deployments.metrics import EngineMetrics
 from deployments.workers import PlacementGroupLauncher, model_dir_on_this_node, placement_of_this_process
@@ -53,7 +52,6 @@ class EngineDeployment:
         self.check_files = config.backend != "trtllm"
         self.outbound = Outbound(merge_outputs, config.serve.engine.stream_interval_ms)
         self.metrics = EngineMetrics(config.name, self.backend.stats)
-        freeze_startup_heap()  # app/heap.py: a full collection would stop the loop and every stream
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        adapter: AdapterRef | None, reply_to: ReplyTo) -> None:

@@ -26,7 +26,6 @@ from app.channel import Inbound
 from app.config import ServiceConfig
 from app.engine.errors import BackendError, EngineDeadError, EngineStepError, InvalidRequestError
 from app.engine.sequence import FinishReason
-from app.heap import freeze_startup_heap
 from app.protocol import openai, openapi, triton, triton_binary
 from app.protocol.body import parse_body
 from app.protocol.messages import AdapterRef, GenerationJob, TextChunk, TextOutput, check_job, merge_chunks
@@ -150,7 +149,6 @@ class Ingress:
         self.polling: asyncio.Task | None = None
         api.state.api_key = api_key(config.api_key)
         api.state.max_request_bytes = config.max_request_bytes
-        freeze_startup_heap()
 
     async def _body(self, request: Request) -> bytes:
         """The body, at most max_request_bytes even when sent without a Content-Length."""

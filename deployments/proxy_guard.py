@@ -28,7 +28,6 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from app.connections import (BODY_TIMEOUT_ENV, EXPIRE_BATCH, HEADER_TIMEOUT_ENV, MAX_CONNECTIONS_ENV, ConnectionLimits,
                              ConnectionTable)
-from app.heap import freeze_startup_heap
 
 logger = logging.getLogger("ray.serve")
 
@@ -41,7 +40,6 @@ def install() -> list[Middleware]:
     uvicorn.protocols.http.auto.AutoHTTPProtocol = guarded_protocol(ConnectionTable(limits, cap))
     logger.info("connection limits: headers %.3g s, body %.3g s, %d connections (file limit %d)",
                 limits.header_timeout_s, limits.body_timeout_s, cap, fd_limit)
-    freeze_startup_heap()  # the proxy's own start-up heap (Ray, Serve, uvicorn): app/heap.py
     return [Middleware(BodyTimeoutMiddleware, timeout_s=limits.body_timeout_s)]
 
 

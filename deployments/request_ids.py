@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from ray import serve
 
-from app.heap import freeze_startup_heap
 from app.request_ids import RequestIds
 
 
@@ -21,7 +20,6 @@ from app.request_ids import RequestIds
 class RequestIdsDeployment:
     def __init__(self):
         self.ids = RequestIds()
-        freeze_startup_heap()
 
     async def claim(self, request_id: str, owner: str) -> None:
         self.ids.claim(request_id, owner)

@@ -8,7 +8,6 @@ from jinja2 import TemplateError
 from ray import serve
 
 from app.engine.errors import InvalidRequestError
-from app.heap import freeze_startup_heap
 from app.protocol import tools
 from app.protocol.messages import GenerationJob, TokenizedJob
 from app.text import Tokenizer
@@ -22,7 +21,6 @@ class TokenizerDeployment:
     def __init__(self, model: str, tool_call_parser: str = "auto"):
         self.tokenizer = Tokenizer(model_dir_on_this_node(model, "the tokenizer"))
         self.tool_parser = tools.pick_parser(tool_call_parser, self.tokenizer.hf.chat_template)
-        freeze_startup_heap()
 
     def ready(self) -> bool:
         return True

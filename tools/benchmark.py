@@ -205,6 +205,8 @@ def serve_command(args) -> dict:
         engine.shutdown()
         del engine
         gc.collect()
+        if torch.cuda.is_available():  # the caching allocator's blocks, for the server's engine
+            torch.cuda.empty_cache()
     if not args.engine_only:
         url = args.url or _start_server(args.config, args.port)
         name = config.name

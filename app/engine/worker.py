@@ -24,6 +24,7 @@ from app.engine.models.attention import FP8, AttentionMetadata, PackedPrefills
 from app.engine.parallel import SINGLE, Distributed, ParallelLayout
 from app.engine.piecewise_graphs import PiecewiseGraphs
 from app.engine.transfer import to_device
+from app.heap import freeze_startup_heap
 
 
 class RankCommand(enum.Enum):
@@ -294,6 +295,7 @@ def worker_main(config: EngineConfig, model_dir: str, max_seq_len: int, layout: 
     dist = Distributed(layout, init_method, torch.device(device))
     try:
         shard = ModelShard(config, Path(model_dir), max_seq_len, torch.device(device), dist)
+        freeze_startup_heap()  # app/heap.py: a full collection here would hold up every rank's collectives
         while run_command(shard, *dist.broadcast()):
             pass
     finally:

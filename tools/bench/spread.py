@@ -1,8 +1,8 @@
 """How the engine's TTFT moves when a wave of requests arrives spread over S ms instead of at once
 (through the Serve DAG a wave of 256 reaches the engine over 100-170 ms). One fresh prompt set per
-run; the engine alone, in-process, measured as tools/benchmark.py engine measures it. Per run:
-TTFT p50 / p90 from each request's own arrival, and every step's wall time, prompt tokens and
-decode rows until the last prompt has its first token.
+run; the engine alone, in-process, its heap frozen as it serves. Per run: TTFT p50 / p90 from each
+request's own arrival time, and every step's start, wall time, prompt tokens and decode rows and
+the requests arrived by then, until the last prompt has its first token.
 
     python -m tools.bench.spread --spreads 0 150 --repeats 3 [--disable-overlap-scheduler]
 """
@@ -33,7 +33,9 @@ def run_wave(engine: LLMEngine, prompts: list[list[int]], arrivals_s: list[float
         now = time.perf_counter() - start
         while i < len(prompts) and arrivals_s[i] <= now:
             engine.add_request(f"w{i}", prompts[i], params)
-            arrived[f"w{i}"] = time.perf_counter()
+            # When it arrived, not when the loop took it: one that arrives during a step waits for
+            # the step to end, as it waits in EngineProcess's pipe, and that wait is the engine's.
+            arrived[f"w{i}"] = start + arrivals_s[i]
             i += 1
         if not engine.has_unfinished_requests():
             time.sleep(max(0.0, arrivals_s[i] - (time.perf_counter() - start)))

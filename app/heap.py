@@ -3,7 +3,7 @@
 CPython's collector walks every object it tracks in its oldest generation whenever the objects that
 survived since the last full collection reach a quarter of those it holds. The engine's process
 holds a large heap for its whole life (torch, transformers, the model's modules): about 283,000
-objects on the 8B shape, and 108-178 ms a full collection, several times a minute under load on an
+objects on the 8B shape, and 110-180 ms a full collection, every few seconds under load on an
 H200 (docs/PERFORMANCE.md). The collector holds the GIL while it walks, so the loop stands still,
 and once the step already queued is done, so does the GPU.
 

@@ -21,6 +21,7 @@
 #              (tools/gpu/lora_config.py); the engine and dag steps after it then run every level twice,
 #              the base model and the adapters mixed, on /v1 only (a request names its adapter as model)
 #   fp8        quantization: fp8 in a copy of the config; the engine and dag steps after it use it
+#   tokens     max_num_tokens: MAX_NUM_TOKENS in a copy of the config, likewise (the 8B config has 2,048)
 #   engine     the engine alone on the same workloads, in a process of its own (no server running)
 #   dag        serve run, then the load generator over HTTP on both routes, in the order ROUTES names
 #              (default "triton openai"); stops the server after.
@@ -86,15 +87,27 @@ adapters() {  # ADAPTERS random adapters of rank LORA_RANK in a copy of the conf
   echo "adapters: $SERVE_CONFIG"
 }
 
-fp8() {  # a copy of the config with quantization: fp8, and a serve config naming it, for the steps after it
+use_config() {  # $1/config.yaml written: a serve config naming it, for the steps after this one
+  sed "s#^\( *config:\).*#\1 $1/config.yaml#" "$SERVE_CONFIG" > "$1/serve_config.yaml"
+  CONFIG=$1/config.yaml SERVE_CONFIG=$1/serve_config.yaml
+  set_bench
+  echo "config: $CONFIG"
+}
+
+fp8() {  # a copy of the config with quantization: fp8
   local dir=/tmp/llm-serve-fp8
   mkdir -p "$dir"
   grep -q '^quantization:' "$CONFIG" && { echo "fp8: $CONFIG sets quantization already"; return 1; }
   { cat "$CONFIG"; echo; echo "quantization: fp8"; } > "$dir/config.yaml"
-  sed "s#^\( *config:\).*#\1 $dir/config.yaml#" "$SERVE_CONFIG" > "$dir/serve_config.yaml"
-  CONFIG=$dir/config.yaml SERVE_CONFIG=$dir/serve_config.yaml
-  set_bench
-  echo "fp8: $SERVE_CONFIG"
+  use_config "$dir"
+}
+
+tokens() {  # a copy of the config with MAX_NUM_TOKENS tokens a step
+  local dir=/tmp/llm-serve-tokens-${MAX_NUM_TOKENS:?tokens: set MAX_NUM_TOKENS}
+  mkdir -p "$dir"
+  sed "s/^max_num_tokens:.*/max_num_tokens: $MAX_NUM_TOKENS/" "$CONFIG" > "$dir/config.yaml"
+  grep -q "^max_num_tokens: $MAX_NUM_TOKENS$" "$dir/config.yaml" || { echo "tokens: no max_num_tokens in $CONFIG"; return 1; }
+  use_config "$dir"
 }
 
 tokenizer() {

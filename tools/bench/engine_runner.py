@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import replace
 
 from app.engine import EngineConfig, LLMEngine, SamplingParams
@@ -10,7 +11,13 @@ from tools.bench.report import RequestTiming, RunResult, summarize
 from tools.bench.workload import Workload
 
 
-def run_engine(engine: LLMEngine, wl: Workload, name: str = "ours") -> RunResult:
+def run_engine(engine: LLMEngine, wl: Workload, name: str = "ours",
+               on_step: Callable[[float, float, int, list], None] | None = None) -> RunResult:
+    """Each request's TTFT and latency count from its arrival: when the workload says it is due, or,
+    if every slot (wl.concurrency) was taken then, when the step that freed one ended. A request due
+    while a step computes waits for that step (as it would in the serving engine's inbox), and that
+    wait counts. on_step(started, took, added, outputs) after every step: its start (seconds from
+    the run's start), its duration, how many requests were added by then, and its outputs."""
     guide = Guide("json_schema", wl.guide, "bench") if wl.guide else None
     params = SamplingParams(max_tokens=wl.output_len, temperature=wl.temperature, top_p=wl.top_p,
                             ignore_eos=wl.ignore_eos, guide=guide)
@@ -19,6 +26,7 @@ def run_engine(engine: LLMEngine, wl: Workload, name: str = "ours") -> RunResult
     tokens: dict[str, int] = {}
     steps_before = engine.num_steps
     start = time.perf_counter()
+    slot_free_since = start  # since when fewer than wl.concurrency requests have been in the engine
     next_i = 0
     while next_i < wl.num_requests or engine.has_unfinished_requests():
         now = time.perf_counter() - start
@@ -29,16 +37,24 @@ def run_engine(engine: LLMEngine, wl: Workload, name: str = "ours") -> RunResult
             adapter = wl.adapters[next_i] if wl.adapters else None
             own = replace(params, max_tokens=wl.output_lens[next_i]) if wl.output_lens else params
             engine.add_request(rid, wl.prompts[next_i], own, adapter_id=adapter)
-            arrived[rid] = time.perf_counter()
+            due = start + wl.arrivals_s[next_i] if wl.arrivals_s is not None else start
+            arrived[rid] = max(due, slot_free_since)
             next_i, in_flight = next_i + 1, in_flight + 1
+        if in_flight >= wl.concurrency:
+            slot_free_since = None
         if not engine.has_unfinished_requests():
             time.sleep(max(0.0, wl.arrivals_s[next_i] - (time.perf_counter() - start)))
             continue
+        before = time.perf_counter()
         outputs = engine.step()
         t = time.perf_counter()
+        if slot_free_since is None and len(engine.requests) < wl.concurrency:
+            slot_free_since = t
         for out in outputs:
             chunks.setdefault(out.request_id, []).append(t)
             tokens[out.request_id] = tokens.get(out.request_id, 0) + sum(len(c.token_ids) for c in out.outputs)
+        if on_step is not None:
+            on_step(before - start, t - before, next_i, outputs)
     wall = time.perf_counter() - start
     timings = [RequestTiming(ttft_s=chunks[rid][0] - arrived[rid], e2e_s=chunks[rid][-1] - arrived[rid],
                              output_tokens=tokens[rid], itl_s=[b - a for a, b in zip(chunks[rid], chunks[rid][1:])])

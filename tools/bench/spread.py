@@ -10,47 +10,32 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
-from app.engine import LLMEngine, SamplingParams
+from app.engine import LLMEngine
 from app.heap import freeze_startup_heap
-from tools.bench.engine_runner import add_wave_arguments, wave_engine_config
-from tools.bench.workload import run_seed, synthetic
+from tools.bench.engine_runner import add_wave_arguments, run_engine, wave_engine_config
+from tools.bench.workload import Workload, run_seed, synthetic
 
 
-def run_wave(engine: LLMEngine, prompts: list[list[int]], arrivals_s: list[float], output_len: int) -> dict:
-    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
-    arrived: dict[str, float] = {}
-    first: dict[str, float] = {}
-    steps = []
-    start = time.perf_counter()
-    i = 0
-    while i < len(prompts) or engine.has_unfinished_requests():
-        now = time.perf_counter() - start
-        while i < len(prompts) and arrivals_s[i] <= now:
-            engine.add_request(f"w{i}", prompts[i], params)
-            # When it arrived, not when the loop took it: one that arrives during a step waits for
-            # the step to end, as it waits in EngineProcess's pipe, and that wait is the engine's.
-            arrived[f"w{i}"] = start + arrivals_s[i]
-            i += 1
-        if not engine.has_unfinished_requests():
-            time.sleep(max(0.0, arrivals_s[i] - (time.perf_counter() - start)))
-            continue
-        before = time.perf_counter()
-        outputs = engine.step()
-        after = time.perf_counter()
-        if len(first) < len(prompts):
-            steps.append((round((before - start) * 1e3, 1), round((after - before) * 1e3, 1),
-                          engine._last_context_tokens, engine._last_generation_requests, i))
-        for out in outputs:
-            first.setdefault(out.request_id, after)
-    ttft = sorted((first[r] - arrived[r]) * 1e3 for r in arrived)
-    return {"ttft_p50_ms": round(statistics.median(ttft), 1), "ttft_p90_ms": round(ttft[int(0.9 * len(ttft))], 1),
-            "ttft_mean_ms": round(statistics.mean(ttft), 1), "wall_s": round(time.perf_counter() - start, 2),
+def run_wave(engine: LLMEngine, wl: Workload) -> dict:
+    """One wave (wl.arrivals_s: when each request arrives): TTFT from arrival (run_engine counts a
+    request due during a step from when it was due), and the step log until every prompt has its
+    first token."""
+    steps, first = [], set()
+
+    def log(started: float, took: float, added: int, outputs: list) -> None:
+        if len(first) < wl.num_requests:
+            steps.append((round(started * 1e3, 1), round(took * 1e3, 1), engine._last_context_tokens,
+                          engine._last_generation_requests, added))
+        first.update(out.request_id for out in outputs)
+
+    result = run_engine(engine, wl, "wave", on_step=log)
+    return {"ttft_p50_ms": round(result.ttft_ms["p50"], 1), "ttft_p90_ms": round(result.ttft_ms["p90"], 1),
+            "ttft_mean_ms": round(result.ttft_ms["mean"], 1), "wall_s": round(result.wall_s, 2),
             "steps_start_ms_wall_ms_prompt_tokens_decodes_arrived": steps}
 
 
@@ -67,7 +52,7 @@ def main(argv=None) -> None:
     engine = LLMEngine(config)
     vocab = engine.limits.vocab_size
     warm = synthetic(args.requests, args.input_len, 4, vocab, run_seed(0, "spread-warm"), True, args.requests)
-    run_wave(engine, warm.prompts, [0.0] * args.requests, 4)
+    run_wave(engine, warm)
     freeze_startup_heap()  # as the engine's serving processes do (app/heap.py)
     rows = []
     for repeat in range(args.repeats):
@@ -75,7 +60,7 @@ def main(argv=None) -> None:
             wl = synthetic(args.requests, args.input_len, args.output_len, vocab,
                            run_seed(0, "spread", spread, repeat), True, args.requests)
             arrivals = [spread / 1e3 * k / max(1, args.requests - 1) for k in range(args.requests)]
-            row = {"spread_ms": spread, "repeat": repeat} | run_wave(engine, wl.prompts, arrivals, args.output_len)
+            row = {"spread_ms": spread, "repeat": repeat} | run_wave(engine, replace(wl, arrivals_s=arrivals))
             rows.append(row)
             print(json.dumps({k: v for k, v in row.items() if not k.startswith("steps")}), flush=True)
     engine.shutdown()

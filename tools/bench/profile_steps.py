@@ -14,6 +14,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from app.engine import EngineConfig, LLMEngine, SamplingParams
+from app.heap import freeze_startup_heap
 
 
 def main() -> None:
@@ -38,6 +39,7 @@ def main() -> None:
         decoding.update(out.request_id for out in engine.step())
     for _ in range(10):  # decode steps until every graph and kernel is warm
         engine.step()
+    freeze_startup_heap()  # as the engine's serving process runs (app/heap.py)
     torch.cuda.synchronize()
     start = time.perf_counter()
     for _ in range(args.steps):

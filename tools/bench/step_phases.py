@@ -22,6 +22,7 @@ import app.engine.model_runner as model_runner
 import app.engine.sampler as sampler
 import app.engine.scheduler as scheduler
 from app.engine import EngineConfig, LLMEngine, SamplingParams
+from app.heap import freeze_startup_heap
 from tools.bench.engine_runner import run_engine
 from tools.bench.workload import synthetic
 
@@ -71,6 +72,7 @@ def main() -> None:
                                     max_batch_size=args.concurrency))
     wl = synthetic(args.num_requests, "128", 128, engine.limits.vocab_size, 0, True, args.concurrency)
     engine.generate([[100] * 16], SamplingParams(max_tokens=4, temperature=0.0))  # warm-up, on no prompt's tokens
+    freeze_startup_heap()  # as the engine's serving process runs (app/heap.py)
     rows = []
 
     def measured(engine, workload, name):

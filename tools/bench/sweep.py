@@ -17,6 +17,7 @@ import torch
 
 from app.engine import EngineConfig, LLMEngine, SamplingParams
 from app.engine.worker import resolve_dtype
+from app.heap import startup_heap_frozen
 from tools.bench.engine_runner import run_engine
 from tools.bench.workload import run_seed, synthetic
 
@@ -59,13 +60,14 @@ def main(argv=None) -> None:
                                     kv_cache_config={"max_tokens": args.kv_tokens}))
     vocab = engine.limits.vocab_size
     engine.generate([[100] * 16], SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
-    for c in args.concurrency:
-        wl = synthetic(max(2 * c, 4), args.input_len, args.output_len, vocab, run_seed(0, c), concurrency=c)
-        save("concurrency", run_engine(engine, wl, f"ours c={c}"), concurrency=c)
-    for rate in args.rates:
-        wl = synthetic(args.rate_requests, args.input_len, args.output_len, vocab, run_seed(0, "rate", rate),
-                       concurrency=top, request_rate=rate)
-        save("rates", run_engine(engine, wl, f"ours {rate:g} req/s"), rate=rate)
+    with startup_heap_frozen():  # as the engine's serving process runs (app/heap.py); thawed to free it after
+        for c in args.concurrency:
+            wl = synthetic(max(2 * c, 4), args.input_len, args.output_len, vocab, run_seed(0, c), concurrency=c)
+            save("concurrency", run_engine(engine, wl, f"ours c={c}"), concurrency=c)
+        for rate in args.rates:
+            wl = synthetic(args.rate_requests, args.input_len, args.output_len, vocab, run_seed(0, "rate", rate),
+                           concurrency=top, request_rate=rate)
+            save("rates", run_engine(engine, wl, f"ours {rate:g} req/s"), rate=rate)
     engine.shutdown()
     del engine
     gc.collect()

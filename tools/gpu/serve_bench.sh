@@ -49,10 +49,11 @@ trap pack EXIT
 bin=$("$PY" -c 'import os, sys; print(os.path.dirname(sys.executable))')
 # The levels: LOW (one JSON per route) and HIGH (its own run, profiled), with their request counts.
 LOW=${LOW:-"1 64"} LOW_REQUESTS=${LOW_REQUESTS:-"8 128"} HIGH=${HIGH:-256} HIGH_REQUESTS=${HIGH_REQUESTS:-1024}
+bench_adapters=()  # set by the adapters step, kept by the config steps after it
 set_bench() {
   # BENCH_ARGS: more arguments for every run, e.g. "--temperature 0.8 --top-p 0.95" (sampled)
   bench=("$PY" tools/benchmark.py serve --config "$CONFIG" --input-len "${INPUT_LEN:-128}"
-         --output-len "${OUTPUT_LEN:-128}" --ignore-eos --warmup "${WARMUP:-2}" ${BENCH_ARGS:-} "$@")
+         --output-len "${OUTPUT_LEN:-128}" --ignore-eos --warmup "${WARMUP:-2}" ${BENCH_ARGS:-} "${bench_adapters[@]}")
 }
 set_bench
 
@@ -83,7 +84,8 @@ adapters() {  # ADAPTERS random adapters of rank LORA_RANK in a copy of the conf
   SERVE_CONFIG=$(timeout 300 "$PY" tools/gpu/lora_config.py "$CONFIG" "$dir" --count "${ADAPTERS:-8}" \
                  --rank "${LORA_RANK:-16}" | tail -1)
   CONFIG=$dir/config.yaml ROUTES=openai
-  set_bench --adapters "${ADAPTERS:-8}"
+  bench_adapters=(--adapters "${ADAPTERS:-8}")
+  set_bench
   echo "adapters: $SERVE_CONFIG"
 }
 
@@ -97,7 +99,8 @@ use_config() {  # $1/config.yaml written: a serve config naming it, for the step
 fp8() {  # a copy of the config with quantization: fp8
   local dir=/tmp/llm-serve-fp8
   mkdir -p "$dir"
-  grep -q '^quantization:' "$CONFIG" && { echo "fp8: $CONFIG sets quantization already"; return 1; }
+  # A step that cannot make its config stops the script: the steps after it would measure the wrong one.
+  grep -q '^quantization:' "$CONFIG" && { echo "fp8: $CONFIG sets quantization already"; exit 1; }
   { cat "$CONFIG"; echo; echo "quantization: fp8"; } > "$dir/config.yaml"
   use_config "$dir"
 }
@@ -106,7 +109,7 @@ tokens() {  # a copy of the config with MAX_NUM_TOKENS tokens a step
   local dir=/tmp/llm-serve-tokens-${MAX_NUM_TOKENS:?tokens: set MAX_NUM_TOKENS}
   mkdir -p "$dir"
   sed "s/^max_num_tokens:.*/max_num_tokens: $MAX_NUM_TOKENS/" "$CONFIG" > "$dir/config.yaml"
-  grep -q "^max_num_tokens: $MAX_NUM_TOKENS$" "$dir/config.yaml" || { echo "tokens: no max_num_tokens in $CONFIG"; return 1; }
+  grep -q "^max_num_tokens: $MAX_NUM_TOKENS$" "$dir/config.yaml" || { echo "tokens: no max_num_tokens in $CONFIG"; exit 1; }
   use_config "$dir"
 }
 

@@ -222,7 +222,7 @@ def serve_command(args) -> dict:
                                             run_seed(args.seed, args.route, c, p), run)
                     continue
                 own = fresh_prompts(wl, vocab, run_seed(args.seed, args.route, c, p))
-                results.append(run_load(url, args.route, name, own, run, p))
+                results.append(run_load(url, args.route, name, own, run, p, args.request_stamps))
                 if names:
                     results.append(run_load(url, args.route, name, replace(own, adapters=spread[c].adapters),
                                             run + label, p))
@@ -314,6 +314,8 @@ def main(argv=None) -> None:
     s.add_argument("--engine-only", action="store_true", help="the engine levels alone, no server")
     s.add_argument("--client-processes", type=int, nargs="+", default=[1],
                    help="run each level from each of these numbers of load-generator processes, in this order")
+    s.add_argument("--request-stamps", action="store_true",
+                   help="keep each request's wall-clock stamps in the JSON (Triton route; tools/bench/arrivals.py)")
     s.add_argument("--json", type=Path, default=None)
     for p in (e, s):  # the main runs (engine, and the DAG's); adapter, guided and transformers runs stay greedy
         p.add_argument("--temperature", type=float, default=0.0, help="0: greedy; else sampled, unseeded")

@@ -12,6 +12,7 @@ class RequestTiming:
     output_tokens: int
     itl_s: list[float]  # gaps between successive chunks
     ttft_stages_s: dict[str, float] | None = None  # TTFT split by stage (serve_runner, Triton route)
+    wall_stamps_s: dict[str, float] | None = None  # the request's life on the wall clock (serve_runner)
 
     @property
     def tpot_s(self) -> float | None:
@@ -33,6 +34,7 @@ class RunResult:
     ttft_stages_ms: dict | None = None  # stage -> percentiles over the requests that reported stages
     ttft_stages_requests: int = 0  # how many did
     output_lens: list[int] | None = field(default=None, repr=False)  # per request (not reported)
+    request_stamps_s: list[dict | None] | None = field(default=None, repr=False)  # per request, when asked
 
     @property
     def output_tok_s(self) -> float:
@@ -43,7 +45,8 @@ class RunResult:
         return self.num_requests / self.wall_s
 
     def as_dict(self) -> dict:
-        fields = {k: v for k, v in asdict(self).items() if k != "output_lens"}
+        fields = {k: v for k, v in asdict(self).items()
+                  if k != "output_lens" and not (k == "request_stamps_s" and v is None)}
         return {**fields, "output_tok_s": self.output_tok_s, "requests_s": self.requests_s}
 
 

@@ -89,7 +89,8 @@ async def _one(session: aiohttp.ClientSession, url: str, route: str, model: str,
                 perf = event
     return RequestTiming(ttft_s=stamps[0] - start, e2e_s=stamps[-1] - start, output_tokens=tokens,
                          itl_s=[b - a for a, b in zip(stamps, stamps[1:])],
-                         ttft_stages_s=_ttft_stages(sent, first, perf))
+                         ttft_stages_s=_ttft_stages(sent, first, perf),
+                         wall_stamps_s=_wall_stamps(sent, first, time.time(), perf))
 
 
 def _ttft_stages(sent: float, first: float, perf: dict | None) -> dict[str, float] | None:
@@ -104,18 +105,36 @@ def _ttft_stages(sent: float, first: float, perf: dict | None) -> dict[str, floa
             "to client": first - first_token}
 
 
-async def run_http(url: str, route: str, model: str, wl: Workload, name: str) -> RunResult:
-    start, end, timings = await _timed(url, route, model, wl, name)
-    result = summarize(name, end - start, timings, sum(map(len, wl.prompts)))
+def _wall_stamps(sent: float, first: float, done: float, perf: dict | None) -> dict[str, float] | None:
+    """A request's life on the wall clock (epoch seconds): the client's stamps and the engine's."""
+    if not perf:
+        return None
+    engine = {stage: perf.get(f"{stage}_time_ns", 0) / 1e9
+              for stage in ("arrival", "first_scheduled", "first_token", "last_token")}
+    return {"sent": sent, **engine, "first_seen": first, "done": done}
+
+
+def _result(name: str, wall_s: float, timings: list[RequestTiming], wl: Workload, stamps: bool) -> RunResult:
+    result = summarize(name, wall_s, timings, sum(map(len, wl.prompts)))
     result.output_lens = [t.output_tokens for t in timings]
+    if stamps:
+        result.request_stamps_s = [t.wall_stamps_s for t in timings]
     return result
 
 
-def run_load(url: str, route: str, model: str, wl: Workload, name: str, processes: int = 1) -> RunResult:
+async def run_http(url: str, route: str, model: str, wl: Workload, name: str, stamps: bool = False) -> RunResult:
+    """One level of load from this process. `stamps`: the result keeps each request's wall-clock stamps
+    (Triton route; tools/bench/arrivals.py reads them)."""
+    start, end, timings = await _timed(url, route, model, wl, name)
+    return _result(name, end - start, timings, wl, stamps)
+
+
+def run_load(url: str, route: str, model: str, wl: Workload, name: str, processes: int = 1,
+             stamps: bool = False) -> RunResult:
     """One level of load from `processes` client processes; wall time from their common start to the
     last one's end."""
     if processes <= 1:
-        return asyncio.run(run_http(url, route, model, wl, name))
+        return asyncio.run(run_http(url, route, model, wl, name, stamps))
     processes = min(processes, wl.concurrency, wl.num_requests)
     ctx = multiprocessing.get_context("spawn")  # no fork of a parent that may hold CUDA or threads
     barrier, results = ctx.Barrier(processes), ctx.Queue()
@@ -140,10 +159,8 @@ def run_load(url: str, route: str, model: str, wl: Workload, name: str, processe
     timings = [None] * wl.num_requests  # request order: process k ran requests k, k + processes, ...
     for k, _, _, ts in parts:
         timings[k::processes] = ts
-    result = summarize(name, max(e for _, _, e, _ in parts) - min(s for _, s, _, _ in parts), timings,
-                       sum(map(len, wl.prompts)))
+    result = _result(name, max(e for _, _, e, _ in parts) - min(s for _, s, _, _ in parts), timings, wl, stamps)
     result.extra = {"client_processes": processes}
-    result.output_lens = [t.output_tokens for t in timings]
     return result
 
 

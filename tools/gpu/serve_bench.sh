@@ -153,6 +153,9 @@ profile() {  # seconds: py-spy and top on the replicas and the proxy while the l
 
 dag() {
   local ready=0
+  # Without the shape's tokenizer every Tokenizer replica fails to start and Serve retries until the
+  # wait below runs out: a fresh machine needs the tokenizer step in this call or an earlier one.
+  [[ -f $SHAPE/tokenizer.json ]] || { echo "dag: no $SHAPE/tokenizer.json (run the tokenizer step)"; exit 1; }
   # Its own session (its Ray processes stay in it: replica_pids, the stop below) and its own Ray
   # temp dir, so that no other ray.init() on the host finds this cluster.
   RAY_TMPDIR=${RAY_TMPDIR:-/tmp/llm-serve-bench} setsid "$bin/serve" run "$SERVE_CONFIG" > "$out/serve.log" 2>&1 &

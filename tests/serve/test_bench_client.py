@@ -100,7 +100,7 @@ def test_a_run_keeps_each_requests_stamps_in_the_order_the_request_passed_them(s
 def test_arrivals_split_a_wait_into_the_step_in_progress_and_the_steps_that_passed_it_by():
     """Requests a step scheduled share its stamp. One that arrived before a step which took only
     others was passed by it: its wait splits into the time until that step began and the rest."""
-    from tools.bench.arrivals import analyse
+    from tools.bench.arrivals import analyse, step_timeline
 
     def request(arrival, scheduled):
         return {"sent": arrival - 0.01, "arrival": arrival, "first_scheduled": scheduled, "first_token": scheduled + 0.1,
@@ -116,3 +116,5 @@ def test_arrivals_split_a_wait_into_the_step_in_progress_and_the_steps_that_pass
     assert report["  left behind after that"]["mean"] == pytest.approx(1000 / 4)
     assert report["way in ms (sent -> Engine)"]["p50"] == pytest.approx(10)
     assert report["arrivals a 1000 ms bin"]["busiest"] == 3  # 0.5, 0.8 and 0.9 in the first second
+    assert step_timeline(stamps) == [{"at ms": 500.0, "took": 2, "left waiting": 1, "arrived since the last": 0},
+                                     {"at ms": 1500.0, "took": 2, "left waiting": 0, "arrived since the last": 1}]

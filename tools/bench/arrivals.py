@@ -7,7 +7,7 @@ took new requests. For each request this counts the steps that took others while
 left behind: the step's token budget, or arrival order) and splits its wait into the part before the
 next step began and the rest:
 
-    python -m tools.bench.arrivals gpu-results/serve/dag-triton-high.json [--bin-ms 10]
+    python -m tools.bench.arrivals gpu-results/serve/dag-triton-high.json [--bin-ms 10] [--steps]
 """
 from __future__ import annotations
 
@@ -50,16 +50,36 @@ def analyse(stamps: list[dict], bin_ms: float = 10.0) -> dict:
     }
 
 
+def step_timeline(stamps: list[dict]) -> list[dict]:
+    """Per step that took new requests: when (ms from the first arrival), how many it took, how many
+    it left waiting, and how many arrived since the step before it."""
+    rows = [s for s in stamps if s and s["arrival"] and s["first_scheduled"]]
+    start = min(s["arrival"] for s in rows)
+    timeline, previous = [], None
+    for step in sorted({s["first_scheduled"] for s in rows}):
+        timeline.append({
+            "at ms": round((step - start) * 1000, 1),
+            "took": sum(1 for s in rows if s["first_scheduled"] == step),
+            "left waiting": sum(1 for s in rows if s["arrival"] <= step < s["first_scheduled"]),
+            "arrived since the last": sum(1 for s in rows if previous is not None and previous < s["arrival"] <= step),
+        })
+        previous = step
+    return timeline
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("json", nargs="+")
     parser.add_argument("--bin-ms", type=float, default=10.0)
+    parser.add_argument("--steps", action="store_true", help="also list every step that took new requests")
     args = parser.parse_args(argv)
     for path in args.json:
         for result in json.load(open(path))["results"]:
             if result.get("request_stamps_s"):
                 print(f"== {path}: {result['name']}")
                 print(json.dumps(analyse(result["request_stamps_s"], args.bin_ms), indent=1))
+                for step in step_timeline(result["request_stamps_s"]) if args.steps else ():
+                    print("  ".join(f"{key} {value}" for key, value in step.items()))
 
 
 if __name__ == "__main__":

@@ -315,12 +315,17 @@ def main(argv=None) -> None:
     s.add_argument("--client-processes", type=int, nargs="+", default=[1],
                    help="run each level from each of these numbers of load-generator processes, in this order")
     s.add_argument("--request-stamps", action="store_true",
-                   help="keep each request's wall-clock stamps in the JSON (Triton route; tools/bench/arrivals.py)")
+                   help="keep each request's wall-clock stamps in the JSON (tools/bench/arrivals.py): the DAG's "
+                        "plain runs on the Triton route, whose perf metrics carry the engine's stamps")
     s.add_argument("--json", type=Path, default=None)
     for p in (e, s):  # the main runs (engine, and the DAG's); adapter, guided and transformers runs stay greedy
         p.add_argument("--temperature", type=float, default=0.0, help="0: greedy; else sampled, unseeded")
         p.add_argument("--top-p", type=float, default=1.0)
     args = parser.parse_args(argv)
+    if args.command == "serve" and args.request_stamps and (args.route != "triton" or args.guided or args.adapters
+                                                            or args.engine_only):
+        parser.error("--request-stamps: the DAG's plain runs on --route triton only (not --guided, --adapters "
+                     "or --engine-only)")
     report = engine_command(args) if args.command == "engine" else serve_command(args)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -26,7 +26,8 @@
 #   dag        serve run, then the load generator over HTTP on both routes, in the order ROUTES names
 #              (default "triton openai"); stops the server after.
 #              With RAY_SERVE_ENABLE_HA_PROXY=1 in the environment, HAProxy takes HTTP straight to the
-#              Ingress replicas in place of Serve's Python proxy (docs/PERFORMANCE.md compares them)
+#              Ingress replicas in place of Serve's Python proxy (docs/PERFORMANCE.md compares them).
+#              STAMPS=1: the Triton runs keep each request's stamps (python -m tools.bench.arrivals)
 # Results: gpu-results/serve/*.json and logs; with the device tool's $OUT set they come back packed
 # as $OUT/serve-results.tgz. `python tools/gpu/serve_table.py gpu-results/serve` prints the table.
 set -uo pipefail
@@ -175,12 +176,14 @@ dag() {
     # check matter most. ROUTES sets the order (a route run later finds the server warmer).
     local route profiled=$(( ${PROFILE_SECONDS:-15} <= 0 )) bench_pid  # PROFILE_SECONDS=0: no profile
     for route in ${ROUTES:-triton openai}; do
-      timeout "${HIGH_TIMEOUT:-250}" "${bench[@]}" "${url[@]}" --route "$route" --concurrency $HIGH \
+      local stamps=()  # STAMPS=1: each request's stamps in the JSON (tools/bench/arrivals.py; Triton route only)
+      [[ -n ${STAMPS:-} && $route == triton ]] && stamps=(--request-stamps)
+      timeout "${HIGH_TIMEOUT:-250}" "${bench[@]}" "${url[@]}" "${stamps[@]}" --route "$route" --concurrency $HIGH \
           --num-requests $HIGH_REQUESTS --json "$out/dag-$route-high.json" > "$out/dag-$route-high.log" 2>&1 &
       bench_pid=$!
       if (( ! profiled )); then sleep "${PROFILE_DELAY:-15}"; profile "${PROFILE_SECONDS:-15}"; profiled=1; fi
       wait "$bench_pid"; echo "dag-$route-high rc=$?"; tail -4 "$out/dag-$route-high.log"; pack
-      timeout 150 "${bench[@]}" "${url[@]}" --route "$route" --concurrency $LOW --num-requests $LOW_REQUESTS \
+      timeout 150 "${bench[@]}" "${url[@]}" "${stamps[@]}" --route "$route" --concurrency $LOW --num-requests $LOW_REQUESTS \
           --json "$out/dag-$route.json" > "$out/dag-$route.log" 2>&1
       echo "dag-$route rc=$?"; tail -5 "$out/dag-$route.log"; pack
     done

@@ -21,8 +21,7 @@ import json
 from collections import Counter
 
 from tools.bench.report import percentiles
-
-ENGINE_STAMPS = ("arrival", "first_scheduled", "first_token", "last_token")
+from tools.bench.serve_runner import ENGINE_STAMPS
 
 
 def complete(stamps: list[dict | None]) -> list[dict]:
@@ -35,8 +34,8 @@ def analyse(stamps: list[dict | None], bin_ms: float = 10.0) -> dict:
     rows = complete(stamps)
     if not rows:
         return {"requests": 0}
-    steps = sorted({s["first_scheduled"] for s in rows})
-    taken = Counter(s["first_scheduled"] for s in rows)
+    taken = Counter(s["first_scheduled"] for s in rows)  # step -> new requests it took
+    steps = sorted(taken)
     passed, to_next_step, behind = [], [], []
     for s in rows:
         first = bisect.bisect_left(steps, s["arrival"])  # the first seen step that began once it had arrived
@@ -67,11 +66,12 @@ def step_timeline(stamps: list[dict | None]) -> list[dict]:
     it left waiting, and how many arrived since the step before it."""
     rows = complete(stamps)
     start = min((s["arrival"] for s in rows), default=0.0)
+    taken = Counter(s["first_scheduled"] for s in rows)
     timeline, previous = [], None
-    for step in sorted({s["first_scheduled"] for s in rows}):
+    for step in sorted(taken):
         timeline.append({
             "at ms": round((step - start) * 1000, 1),
-            "took": sum(1 for s in rows if s["first_scheduled"] == step),
+            "took": taken[step],
             "left waiting": sum(1 for s in rows if s["arrival"] <= step < s["first_scheduled"]),
             "arrived since the last": sum(1 for s in rows if previous is not None and previous < s["arrival"] <= step),
         })

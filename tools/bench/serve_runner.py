@@ -34,6 +34,9 @@ from tqdm import tqdm
 from tools.bench.report import RequestTiming, RunResult, summarize
 from tools.bench.workload import Workload
 
+# The engine's perf-metric stamps (<stage>_time_ns, wall clock) a request's final event carries.
+ENGINE_STAMPS = ("arrival", "first_scheduled", "first_token", "last_token")
+
 
 def _request(route: str, model: str, prompt: list[int], max_tokens: int, wl: Workload) -> tuple[str, dict]:
     if route == "openai":
@@ -87,31 +90,29 @@ async def _one(session: aiohttp.ClientSession, url: str, route: str, model: str,
                 tokens += n
             if "first_token_time_ns" in event:  # the last event's perf metrics
                 perf = event
+    wall = _wall_stamps(sent, first, time.time(), perf)
     return RequestTiming(ttft_s=stamps[0] - start, e2e_s=stamps[-1] - start, output_tokens=tokens,
-                         itl_s=[b - a for a, b in zip(stamps, stamps[1:])],
-                         ttft_stages_s=_ttft_stages(sent, first, perf),
-                         wall_stamps_s=_wall_stamps(sent, first, time.time(), perf))
-
-
-def _ttft_stages(sent: float, first: float, perf: dict | None) -> dict[str, float] | None:
-    """Where a request's TTFT went, in seconds, from the client's wall clock (sent, first token seen)
-    and the engine's stamps; None where a stamp is missing (0: never scheduled, no token)."""
-    stamps = [perf.get(key, 0) / 1e9 for key in ("arrival_time_ns", "first_scheduled_time_ns",
-                                                 "first_token_time_ns")] if perf else [0.0]
-    if not first or not all(stamps):
-        return None
-    arrival, scheduled, first_token = stamps
-    return {"to engine": arrival - sent, "queued": scheduled - arrival, "first step": first_token - scheduled,
-            "to client": first - first_token}
+                         itl_s=[b - a for a, b in zip(stamps, stamps[1:])], ttft_stages_s=_ttft_stages(wall),
+                         wall_stamps_s=wall)
 
 
 def _wall_stamps(sent: float, first: float, done: float, perf: dict | None) -> dict[str, float] | None:
-    """A request's life on the wall clock (epoch seconds): the client's stamps and the engine's."""
+    """A request's life on the wall clock (epoch seconds): the client's stamps and the engine's (0 where
+    the engine never set one); None without the engine's perf metrics."""
     if not perf:
         return None
-    engine = {stage: perf.get(f"{stage}_time_ns", 0) / 1e9
-              for stage in ("arrival", "first_scheduled", "first_token", "last_token")}
+    engine = {stage: perf.get(f"{stage}_time_ns", 0) / 1e9 for stage in ENGINE_STAMPS}
     return {"sent": sent, **engine, "first_seen": first, "done": done}
+
+
+def _ttft_stages(wall: dict[str, float] | None) -> dict[str, float] | None:
+    """Where a request's TTFT went, in seconds, from its wall-clock stamps; None where a stamp is
+    missing (0: never scheduled, no token)."""
+    if not wall or not all(wall[key] for key in ("first_seen", "arrival", "first_scheduled", "first_token")):
+        return None
+    return {"to engine": wall["arrival"] - wall["sent"], "queued": wall["first_scheduled"] - wall["arrival"],
+            "first step": wall["first_token"] - wall["first_scheduled"],
+            "to client": wall["first_seen"] - wall["first_token"]}
 
 
 def _result(name: str, wall_s: float, timings: list[RequestTiming], wl: Workload, stamps: bool) -> RunResult:

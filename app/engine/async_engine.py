@@ -2,7 +2,8 @@
 
 Loop (one thread, the only one touching LLMEngine's state):
   1. apply queued commands (add, abort, add adapter) in arrival order;
-  2. if nothing is in flight, block until a command arrives;
+  2. if nothing is in flight, block until a command arrives; if a step is, keep taking commands until
+     just before it ends (app/engine/step_clock.py);
   3. run one step;
   4. publish a stats snapshot (when idle, else at most every STATS_INTERVAL_S): other threads read
      only that, never the engine's live structures (iterating them mid-step raised at random);
@@ -204,9 +205,12 @@ class AsyncLLMEngine:
             stream.put(dead)
 
     def _apply_commands(self, block: bool) -> bool:
+        """Apply commands until there are none, waiting for one when `block`, and while a step is in
+        flight until just before it ends (LLMEngine.seconds_to_plan). False: told to stop."""
         while True:
+            wait = None if block else self.engine.seconds_to_plan()
             try:
-                command, arg = self._commands.get(block=block)
+                command, arg = self._commands.get(timeout=wait) if wait != 0 else self._commands.get_nowait()
             except queue.Empty:
                 return True
             block = False

@@ -115,6 +115,10 @@ class EngineConfig:
     # TensorRT-LLM's name. Overlap queues step k + 1 on the device before step k's tokens are read
     # back (one CUDA device; requests with penalties, bad words or beams step without it).
     disable_overlap_scheduler: bool = False
+    # With overlap: the serving loop goes on taking requests until just before the step computing ends,
+    # then plans the next one, so a request that arrives meanwhile makes the next step, not the one
+    # after (app/engine/step_clock.py). False: plan each step as soon as the one before is read back.
+    late_planning: bool = True
     load_format: str = "auto"  # "dummy": random weights from config.json alone (speed runs without downloads)
     # "fp8": the decoder layers' linears in FP8 E4M3 (per-channel weight scales, per-token activation
     # scales, torch._scaled_mm), quantized from the 16-bit weights at load (fast FP8 matmuls: Hopper on).

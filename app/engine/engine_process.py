@@ -7,8 +7,8 @@ The replica's side sends commands down a pipe and reads one message per step car
 request's outputs, which a reader thread (blocked in recv, without the GIL) hands to the streams.
 
 Child loop:
-  1. apply queued commands (add, abort), blocking while nothing is in flight; an adapter to add goes
-     to a loader thread (reading, checking, folding it takes hundreds of ms on the 8B shape);
+  1. apply queued commands (add, abort), blocking while nothing is in flight, and while a step is in
+     flight until just before it ends (app/engine/step_clock.py); an adapter to add goes to a loader thread (reading, checking, folding it takes hundreds of ms on the 8B shape);
   2. register the adapters the loader has prepared, in the order they were asked for;
   3. run one step;
   4. send its outputs, with a stats snapshot when idle or every STATS_INTERVAL_S.
@@ -199,7 +199,8 @@ def _child_main(config: EngineConfig, adapters: dict[str, str], cpu_threads: int
     try:
         while True:
             busy = engine.has_unfinished_requests()
-            while conn.poll(0 if busy else LOAD_POLL_S if loads else None):
+            # Busy: take commands until the step computing is nearly done (LLMEngine.seconds_to_plan).
+            while conn.poll(engine.seconds_to_plan() if busy else LOAD_POLL_S if loads else None):
                 command, arg = conn.recv()
                 if command is Command.STOP:
                     return

@@ -24,6 +24,7 @@ from app.engine.sampling_params import SEED_LIMIT, SamplingParams, request_limit
 from app.engine.scheduler import Scheduler, SchedulerLimits
 from app.engine.sequence import FinishReason, Sequence
 from app.engine.speculative import NGramProposer
+from app.engine.step_clock import StepClock
 
 logger = logging.getLogger(__name__)
 MAX_FAILED_STEPS = 3
@@ -94,6 +95,10 @@ class LLMEngine:
         self.overlap = (not config.disable_overlap_scheduler and self.runner.device.type == "cuda"
                         and self.runner.dist is None)
         self._in_flight: LaunchedStep | None = None
+        # Overlapped steps are planned as late as the one computing allows (app/engine/step_clock.py).
+        self.clock = StepClock() if config.late_planning else None
+        self._last_read: LaunchedStep | None = None  # the overlapped step read back last, if the one after it queued
+        self._waited_for = None  # the last step's DeviceSample whose end the host saw (its finished_at)
         self._read_back: list[RequestOutput] = []  # outputs of a step read back while the next one failed
         self._stepping: set[str] = set()  # requests of the step being computed
         self.failed_steps = 0  # in a row
@@ -203,6 +208,13 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)  # a request stays until its last step has been read back
 
+    def seconds_to_plan(self) -> float:
+        """How long the serving loop may go on taking requests before the next step() should start:
+        with a step in flight, until just before it ends (StepClock); otherwise 0."""
+        if self.clock is None or self._in_flight is None or not self.requests:
+            return 0.0
+        return self.clock.seconds_to_plan(time.monotonic())
+
     def shutdown(self) -> None:
         """Stop the other ranks of a parallel engine, and drop the guides waiting to compile."""
         self.grammars.shutdown()
@@ -230,7 +242,7 @@ class LLMEngine:
         return failed + outputs
 
     def _fail_stepping(self, error: str) -> list[RequestOutput]:
-        self._in_flight = None  # its requests are among those failed: nothing waits for its tokens
+        self._in_flight = self._last_read = None  # its requests are among those failed: nothing waits for its tokens
         outputs = [self.abort_request(request_id) for request_id in self._stepping]
         for output in outputs:
             if output is not None:
@@ -242,11 +254,13 @@ class LLMEngine:
         step k and returns step k's outputs: the host's scheduling and output work runs while the
         device computes. A token's stop check then comes one step late, so a sequence that ends on
         a stop token may compute one extra token, which is dropped."""
+        planning = time.monotonic()
         in_flight = self._in_flight.plan.scheduled if self._in_flight is not None else []
         self._stepping = {item.seq.request_id for item in in_flight}
         overlap = (self.overlap and all(r.overlappable for rid, r in self.requests.items() if rid not in self.compiling)
                    and not self.scheduler.guesses_next())
         if not overlap and self._in_flight is not None:  # catch up before a step that needs every token
+            self._last_read = None
             return self._finish(self._take_in_flight())
         plan = self.scheduler.schedule()
         if not overlap:
@@ -264,9 +278,19 @@ class LLMEngine:
             self._begin(plan)
             # A guided row's mask needs the token step k is computing: its sampling waits for the read back.
             guided = any(item.seq.grammar is not None for item in plan.scheduled)
+            behind = self._in_flight is not None and not guided
+            late = behind and self._in_flight.sample.done()
             launched = self.runner.launch(plan, self._in_flight, sample=not guided)
+            # Timed only behind a step still computing, and with its own sampling queued at once: then
+            # the device went from one step to the next without waiting for the host.
+            launched.timed = behind and not late
+            if self.clock is not None and behind:
+                self.clock.planned(plan.num_tokens, launched.forward_at - planning,
+                                   time.monotonic() - launched.forward_at, late)
         previous = self._take_in_flight() if self._in_flight is not None else None
         seqs = self.scheduler.update(previous.plan, previous.seqs, previous.sample.result()) if previous else []
+        if previous is not None:
+            self._time(previous, launched)
         if launched is not None and launched.sample is None:
             # Guided rows: their grammars took step k's tokens, so the masks' fill can start; step k's
             # outputs are built after, while it runs. A failure here must not lose them.
@@ -284,6 +308,32 @@ class LLMEngine:
     def _take_in_flight(self) -> LaunchedStep:
         launched, self._in_flight = self._in_flight, None
         return launched
+
+    def _time(self, read: LaunchedStep, computing: LaunchedStep | None) -> None:
+        """The clock learns how long the device took for `read` (from the end of the step before it),
+        and since when `computing` (if any) is on the device: since `read` ended, or since it was
+        queued if later. When `read` ended is known where the host waited for it; otherwise it is
+        counted on the device's clock from the last step that was waited for (the host may have been
+        busy queuing `computing` long after `read` ended)."""
+        if self.clock is None:
+            return
+        before, self._last_read = self._last_read, read if computing is not None else None
+        if read.timed and before is not None:
+            device_s = read.sample.device_seconds_since(before.sample)
+            if device_s is not None:
+                self.clock.timed(read.plan.num_tokens, device_s)
+        if read.sample.finished_at is not None:
+            self._waited_for = read.sample
+        if computing is None:
+            self.clock.stopped()
+            return
+        anchor = self._waited_for
+        if anchor is read.sample:
+            ended = anchor.finished_at
+        else:
+            since = read.sample.device_seconds_since(anchor) if anchor is not None else None
+            ended = time.monotonic() if since is None else anchor.finished_at + since
+        self.clock.started(computing.plan.num_tokens, max(ended, computing.forward_at))
 
     def _begin(self, plan) -> None:
         """The step's counters, before it runs."""

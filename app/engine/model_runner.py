@@ -2,6 +2,7 @@
 and samples the next tokens from the logits."""
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -57,6 +58,8 @@ class LaunchedStep:
     seqs: list[Sequence]  # aligned with the sample's rows
     sample: DeviceSample | None = None
     logits: torch.Tensor | None = None
+    forward_at: float = 0.0  # time.monotonic() when its inputs were ready and its first kernel was queued
+    timed: bool = False  # queued while the step before still computed, its sampling at once (LLMEngine._time)
 
 
 class ModelRunner:
@@ -126,7 +129,7 @@ class ModelRunner:
     def execute(self, plan: SchedulerOutput) -> StepResult:
         """Run the step and read its tokens back, and the prompt logprobs and raw logits rows its
         requests owe."""
-        logits, seqs, prompt = self._run(plan, None)
+        logits, seqs, prompt, _ = self._run(plan, None)
         if not prompt.seqs:
             result = StepResult(seqs, self.sampler(logits, seqs))
         else:
@@ -176,9 +179,9 @@ class ModelRunner:
         what sampling needs (guided rows: their grammars advanced by `previous`'s tokens)."""
         # A guess follows the sequence's last token on the host: a step with guesses never overlaps.
         assert not any(item.draft for item in plan.scheduled), "a step with guesses was launched overlapped"
-        logits, seqs, prompt = self._run(plan, previous.sample.token_ids if previous is not None else None)
+        logits, seqs, prompt, forward_at = self._run(plan, previous.sample.token_ids if previous is not None else None)
         assert not prompt.seqs, "a step computing prompt logprobs is never overlapped"
-        launched = LaunchedStep(plan, seqs, logits=logits)
+        launched = LaunchedStep(plan, seqs, logits=logits, forward_at=forward_at)
         if sample:
             self.sample(launched)
         return launched
@@ -195,12 +198,13 @@ class ModelRunner:
         batches = [inputs for inputs, _, _ in prepared]
         if self.dist is not None:
             self.dist.broadcast((RankCommand.STEP, plan.block_copies, batches))
+        forward_at = time.monotonic()
         logits = self.shard.execute(plan.block_copies, batches, previous_tokens)
         prompt, offset = PromptRows(), 0
         for inputs, _, rows in prepared:  # the logits of each batch follow the batch before's
             prompt.extend(rows, offset)
             offset += len(inputs.logits_indices)
-        return logits, [seq for _, group_seqs, _ in prepared for seq in group_seqs], prompt
+        return logits, [seq for _, group_seqs, _ in prepared for seq in group_seqs], prompt, forward_at
 
     def add_lora(self, name: str, path, in_use: set[str], prepared: LoRAAdapter | None = None) -> None:
         """`prepared`: rank 0's LoRACache.prepare of it, done already (off the engine loop). The other

@@ -7,6 +7,7 @@ from the raw logits, before any of it (SamplingParams says why).
 """
 from __future__ import annotations
 
+import time
 from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -50,6 +51,7 @@ class DeviceSample:
         self.token_ids = token_ids  # [rows] on the device: the next step's inputs can be read from here
         self.generator_states = generator_states or {}  # host tensors already (SamplerOutput's)
         self._ready = None
+        self.finished_at: float | None = None  # time.monotonic() the device finished it, where result() waited for that
         self._top_rows, self._top_counts, *top_tensors = top or ([], [])
         tensors = [token_ids, logprobs, *top_tensors]
         self._host = tensors
@@ -57,15 +59,26 @@ class DeviceSample:
             self._host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
             for host, t in zip(self._host, tensors):
                 host.copy_(t, non_blocking=True)
-            self._ready = torch.cuda.Event()
+            self._ready = torch.cuda.Event(enable_timing=True)  # the step clock times steps by their ends
             self._ready.record()
+
+    def done(self) -> bool:
+        """Whether the device has computed the step (off CUDA it has, when launched)."""
+        return self._ready is None or self._ready.query()
+
+    def device_seconds_since(self, earlier: DeviceSample) -> float | None:
+        """Device time from the end of `earlier` to the end of this step, both read back (CUDA only)."""
+        if self._ready is None or earlier._ready is None:
+            return None
+        return earlier._ready.elapsed_time(self._ready) / 1000.0
 
     def result(self) -> SamplerOutput:
         """Waits for the step (the engine's one host sync per step)."""
         if self._masks is not None:  # first: the stream waits for it, and a fill that failed raises here
             self._masks.result()
-        if self._ready is not None:
+        if self._ready is not None and not self._ready.query():
             self._ready.synchronize()
+            self.finished_at = time.monotonic()
         tokens, logprobs, *top = (t.tolist() for t in self._host)
         out = SamplerOutput(tokens, logprobs, generator_states=self.generator_states)
         for row, count, values, ids in zip(self._top_rows, self._top_counts, *top):

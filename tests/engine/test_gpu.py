@@ -75,6 +75,58 @@ def test_overlapped_steps_equal_serial_steps(tiny_llama_dir):
     assert runs[False] == runs[True]
 
 
+def test_late_planning_plans_each_step_near_the_end_of_the_one_computing(tiny_llama_dir, monkeypatch):
+    """Every step made about 20 ms long on the device (a sleep queued before it): the step clock
+    learns that from the steps' CUDA events; a loop that waits for LLMEngine.seconds_to_plan plans
+    each step late in the one computing, yet the device never waits for it; a request added during
+    such a wait, while step k still computes, makes step k + 1; and the tokens are those of planning
+    each step at once."""
+    import time
+
+    from app.engine.llm_engine import merge_outputs
+
+    sleep_cycles = 40_000_000  # ~20 ms at ~2 GHz (the stream gate test's 200M cycles took ~0.1 s)
+    prompts = random_prompts(5, 8, 16, 256, seed=12)
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    runs = {}
+    for late in (False, True):
+        engine = _engine(tiny_llama_dir, "float32", late_planning=late)
+        execute = engine.runner.shard.execute
+        monkeypatch.setattr(engine.runner.shard, "execute",
+                            lambda *a, run=execute, **k: (torch.cuda._sleep(sleep_cycles), run(*a, **k))[1])
+        for i, prompt in enumerate(prompts[:4]):
+            engine.add_request(f"r{i}", prompt, params)
+        merged, waits, joined = {}, [], None
+        while engine.has_unfinished_requests():
+            wait = engine.seconds_to_plan()
+            waits.append(wait)
+            if wait > 0 and joined is None and engine.num_steps > 6:  # a request arrives mid-step
+                time.sleep(wait / 2)
+                computing = engine._in_flight
+                assert not computing.sample.done()
+                engine.add_request("r4", prompts[4], params)
+                time.sleep(max(0.0, engine.seconds_to_plan()))
+                outputs = engine.step()
+                joined = any(item.seq.request_id == "r4" for item in engine._in_flight.plan.scheduled)
+            else:
+                time.sleep(wait)
+                outputs = engine.step()
+            for out in outputs:
+                merged[out.request_id] = merge_outputs(merged.get(out.request_id), out)
+        runs[late] = [merged[rid].outputs[0].token_ids for rid in sorted(merged)]
+        if late:
+            clock = engine.clock
+            assert clock.estimates[4] > 0.015, clock.estimates  # four decode rows: ~20 ms of sleep and more
+            assert sum(wait > 0.010 for wait in waits) >= 10, waits  # decode steps planned past half the one computing
+            assert clock.queued_late <= 1, (clock.queued, clock.queued_late)
+            assert joined  # r4 arrived while step k computed and made step k + 1
+        else:
+            assert all(wait == 0.0 for wait in waits)
+    assert runs[True][:4] == runs[False]
+    plain = _engine(tiny_llama_dir, "float32").generate([prompts[4]], params)
+    assert runs[True][4] == plain[0].outputs[0].token_ids
+
+
 def test_a_stream_gate_holds_queued_work_until_opened_and_never_moves_back():
     """Work queued behind a gate waits for the host. Then, with the device busy (a sleep queued
     first), two tickets are opened late one first: the earlier must not pull the gate back, or the

@@ -45,6 +45,12 @@ def run_engine(engine: LLMEngine, wl: Workload, name: str = "ours",
         if not engine.has_unfinished_requests():
             time.sleep(max(0.0, wl.arrivals_s[next_i] - (time.perf_counter() - start)))
             continue
+        wait = engine.seconds_to_plan()  # as the serving loops do: take arrivals until the step computing nearly ends
+        if wait > 0:
+            if wl.arrivals_s is not None and next_i < wl.num_requests and in_flight < wl.concurrency:
+                wait = min(wait, wl.arrivals_s[next_i] - now)
+            time.sleep(max(0.0, wait))
+            continue
         before = time.perf_counter()
         outputs = engine.step()
         t = time.perf_counter()
@@ -62,6 +68,9 @@ def run_engine(engine: LLMEngine, wl: Workload, name: str = "ours",
     stats = engine.stats()
     extra = {"steps": engine.num_steps - steps_before, "preemptions": stats.num_preempted_total,
              "kv_hit_rate": stats.kv_cache_hit_rate, "kv_pool_tokens": engine.limits.max_cache_tokens}
+    if engine.clock is not None and engine.clock.queued:  # late planning: how often the device waited for the host
+        extra.update(queued_behind=engine.clock.queued, queued_late=engine.clock.queued_late,
+                     step_estimates_ms={n: round(s * 1e3, 2) for n, s in engine.clock.estimates.items()})
     result = summarize(name, wall, timings, sum(len(p) for p in wl.prompts), extra)
     result.output_lens = [tokens[rid] for rid in arrived]
     return result

@@ -22,6 +22,8 @@
 #              the base model and the adapters mixed, on /v1 only (a request names its adapter as model)
 #   fp8        quantization: fp8 in a copy of the config; the engine and dag steps after it use it
 #   tokens     max_num_tokens: MAX_NUM_TOKENS in a copy of the config, likewise (the 8B config has 2,048)
+#   early      late_planning: false in a copy of the config, likewise (the overlap scheduler plans each
+#              step as soon as the one before is read back, as before app/engine/step_clock.py)
 #   engine     the engine alone on the same workloads, in a process of its own (no server running)
 #   dag        serve run, then the load generator over HTTP on both routes, in the order ROUTES names
 #              (default "triton openai"); stops the server after.
@@ -111,6 +113,14 @@ tokens() {  # a copy of the config with MAX_NUM_TOKENS tokens a step
   mkdir -p "$dir"
   sed "s/^max_num_tokens:.*/max_num_tokens: $MAX_NUM_TOKENS/" "$CONFIG" > "$dir/config.yaml"
   grep -q "^max_num_tokens: $MAX_NUM_TOKENS$" "$dir/config.yaml" || { echo "tokens: no max_num_tokens in $CONFIG"; exit 1; }
+  use_config "$dir"
+}
+
+early() {  # a copy of the config with late_planning: false (each step planned when the one before is read back)
+  local dir=/tmp/llm-serve-early
+  mkdir -p "$dir"
+  grep -q '^late_planning:' "$CONFIG" && { echo "early: $CONFIG sets late_planning already"; exit 1; }
+  { cat "$CONFIG"; echo; echo "late_planning: false"; } > "$dir/config.yaml"
   use_config "$dir"
 }
 

@@ -98,7 +98,7 @@ class LLMEngine:
         # Overlapped steps are planned as late as the one computing allows (app/engine/step_clock.py).
         self.clock = StepClock() if config.late_planning else None
         self._last_read: LaunchedStep | None = None  # the overlapped step read back last, if the one after it queued
-        self._waited_for = None  # the last step's DeviceSample whose end the host saw (its finished_at)
+        self._step_began = 0.0  # time.monotonic() at the start of step()
         self._read_back: list[RequestOutput] = []  # outputs of a step read back while the next one failed
         self._stepping: set[str] = set()  # requests of the step being computed
         self.failed_steps = 0  # in a row
@@ -226,6 +226,7 @@ class LLMEngine:
         their KV blocks are freed and their outputs carry the error, while waiting requests and the
         engine go on. Only MAX_FAILED_STEPS failures in a row (a lost device, not a bad request)
         propagate, for the serving layer to replace the engine."""
+        self._step_began = time.monotonic()  # the host's lead counts from here (StepClock.planned)
         failed = self._admit_compiled() if self.compiling else []  # already out of self.requests: returned whatever
         try:
             outputs = self._step()
@@ -254,7 +255,6 @@ class LLMEngine:
         step k and returns step k's outputs: the host's scheduling and output work runs while the
         device computes. A token's stop check then comes one step late, so a sequence that ends on
         a stop token may compute one extra token, which is dropped."""
-        planning = time.monotonic()
         in_flight = self._in_flight.plan.scheduled if self._in_flight is not None else []
         self._stepping = {item.seq.request_id for item in in_flight}
         overlap = (self.overlap and all(r.overlappable for rid, r in self.requests.items() if rid not in self.compiling)
@@ -278,19 +278,13 @@ class LLMEngine:
             self._begin(plan)
             # A guided row's mask needs the token step k is computing: its sampling waits for the read back.
             guided = any(item.seq.grammar is not None for item in plan.scheduled)
-            behind = self._in_flight is not None and not guided
-            late = behind and self._in_flight.sample.done()
             launched = self.runner.launch(plan, self._in_flight, sample=not guided)
-            # Timed only behind a step still computing, and with its own sampling queued at once: then
-            # the device went from one step to the next without waiting for the host.
-            launched.timed = behind and not late
-            if self.clock is not None and behind:
-                self.clock.planned(plan.num_tokens, launched.forward_at - planning,
-                                   time.monotonic() - launched.forward_at, late)
+            if self.clock is not None and self._in_flight is not None and not guided:
+                self.clock.planned(plan.num_tokens, launched.forward_at - self._step_began,
+                                   time.monotonic() - launched.forward_at, late=not launched.back_to_back)
         previous = self._take_in_flight() if self._in_flight is not None else None
         seqs = self.scheduler.update(previous.plan, previous.seqs, previous.sample.result()) if previous else []
-        if previous is not None:
-            self._time(previous, launched)
+        self._time(previous, launched)
         if launched is not None and launched.sample is None:
             # Guided rows: their grammars took step k's tokens, so the masks' fill can start; step k's
             # outputs are built after, while it runs. A failure here must not lose them.
@@ -309,31 +303,22 @@ class LLMEngine:
         launched, self._in_flight = self._in_flight, None
         return launched
 
-    def _time(self, read: LaunchedStep, computing: LaunchedStep | None) -> None:
-        """The clock learns how long the device took for `read` (from the end of the step before it),
-        and since when `computing` (if any) is on the device: since `read` ended, or since it was
-        queued if later. When `read` ended is known where the host waited for it; otherwise it is
-        counted on the device's clock from the last step that was waited for (the host may have been
-        busy queuing `computing` long after `read` ended)."""
+    def _time(self, read: LaunchedStep | None, computing: LaunchedStep | None) -> None:
+        """The clock learns how long the device took for `read` (from the end of the step read back
+        before it) and since when `computing` is on the device: since `read` ended, or since its first
+        kernel was queued if later (or if nothing was read back: it was queued on an idle device)."""
         if self.clock is None:
             return
         before, self._last_read = self._last_read, read if computing is not None else None
-        if read.timed and before is not None:
+        if read is not None and read.back_to_back and before is not None:
             device_s = read.sample.device_seconds_since(before.sample)
             if device_s is not None:
                 self.clock.timed(read.plan.num_tokens, device_s)
-        if read.sample.finished_at is not None:
-            self._waited_for = read.sample
+        ended = self.clock.ended_at(read.sample) if read is not None else 0.0
         if computing is None:
             self.clock.stopped()
-            return
-        anchor = self._waited_for
-        if anchor is read.sample:
-            ended = anchor.finished_at
         else:
-            since = read.sample.device_seconds_since(anchor) if anchor is not None else None
-            ended = time.monotonic() if since is None else anchor.finished_at + since
-        self.clock.started(computing.plan.num_tokens, max(ended, computing.forward_at))
+            self.clock.started(computing.plan.num_tokens, max(ended, computing.forward_at))
 
     def _begin(self, plan) -> None:
         """The step's counters, before it runs."""

@@ -59,7 +59,9 @@ class LaunchedStep:
     sample: DeviceSample | None = None
     logits: torch.Tensor | None = None
     forward_at: float = 0.0  # time.monotonic() when its inputs were ready and its first kernel was queued
-    timed: bool = False  # queued while the step before still computed, its sampling at once (LLMEngine._time)
+    # Its first kernel queued while the step before still computed, and its sampling with it: the
+    # device ran the two back to back, so the time between their ends is this step's (StepClock).
+    back_to_back: bool = False
 
 
 class ModelRunner:
@@ -129,7 +131,7 @@ class ModelRunner:
     def execute(self, plan: SchedulerOutput) -> StepResult:
         """Run the step and read its tokens back, and the prompt logprobs and raw logits rows its
         requests owe."""
-        logits, seqs, prompt, _ = self._run(plan, None)
+        logits, seqs, prompt, _ = self._run(plan)
         if not prompt.seqs:
             result = StepResult(seqs, self.sampler(logits, seqs))
         else:
@@ -179,9 +181,9 @@ class ModelRunner:
         what sampling needs (guided rows: their grammars advanced by `previous`'s tokens)."""
         # A guess follows the sequence's last token on the host: a step with guesses never overlaps.
         assert not any(item.draft for item in plan.scheduled), "a step with guesses was launched overlapped"
-        logits, seqs, prompt, forward_at = self._run(plan, previous.sample.token_ids if previous is not None else None)
+        logits, seqs, prompt, (forward_at, busy) = self._run(plan, previous.sample if previous is not None else None)
         assert not prompt.seqs, "a step computing prompt logprobs is never overlapped"
-        launched = LaunchedStep(plan, seqs, logits=logits, forward_at=forward_at)
+        launched = LaunchedStep(plan, seqs, logits=logits, forward_at=forward_at, back_to_back=busy and sample)
         if sample:
             self.sample(launched)
         return launched
@@ -192,19 +194,22 @@ class ModelRunner:
         launched.sample = self.sampler.sample(launched.logits, launched.seqs)
         launched.logits = None
 
-    def _run(self, plan: SchedulerOutput, previous_tokens: torch.Tensor | None):
+    def _run(self, plan: SchedulerOutput, previous: DeviceSample | None = None):
+        """Queue the step's forward pass, its decode inputs read from `previous`'s tokens where pending.
+        Returns the logits, the rows' sequences, the prompt rows, and (when its first kernel was
+        queued, whether `previous` was still computing then)."""
         groups = self._micro_batches(plan.scheduled)
         prepared = [self._prepare(group) for group in groups]
         batches = [inputs for inputs, _, _ in prepared]
         if self.dist is not None:
             self.dist.broadcast((RankCommand.STEP, plan.block_copies, batches))
-        forward_at = time.monotonic()
-        logits = self.shard.execute(plan.block_copies, batches, previous_tokens)
+        forward_at, busy = time.monotonic(), previous is not None and not previous.done()
+        logits = self.shard.execute(plan.block_copies, batches, previous.token_ids if previous is not None else None)
         prompt, offset = PromptRows(), 0
         for inputs, _, rows in prepared:  # the logits of each batch follow the batch before's
             prompt.extend(rows, offset)
             offset += len(inputs.logits_indices)
-        return logits, [seq for _, group_seqs, _ in prepared for seq in group_seqs], prompt, forward_at
+        return logits, [seq for _, group_seqs, _ in prepared for seq in group_seqs], prompt, (forward_at, busy)
 
     def add_lora(self, name: str, path, in_use: set[str], prepared: LoRAAdapter | None = None) -> None:
         """`prepared`: rank 0's LoRACache.prepare of it, done already (off the engine loop). The other

@@ -18,6 +18,7 @@ requests until `seconds_to_plan` reaches 0. Without a measured step of the in-fl
 from __future__ import annotations
 
 import collections
+import time
 
 RECENT = 8  # steps remembered per size (and the host's leads)
 HOST_SAFETY_S = 0.002  # on top of the largest recent lead: the host's wake-up, a late command, uneven queuing
@@ -29,8 +30,11 @@ class StepClock:
         # The shortest of them is the estimate: planning early costs an arrival one step, planning late
         # idles the device.
         self._device_s: dict[int, collections.deque] = {}
+        # One lead for every size (the next step's size is not known yet): after a 2,048-token step's
+        # long lead, small steps are planned early, which errs on the safe side.
         self._leads_s: collections.deque = collections.deque(maxlen=RECENT)
         self._plan_at: float | None = None
+        self._anchor = None  # the read back step whose `finished_at` stamp is nearest its end (see ended_at)
         self.queued = 0  # steps queued behind one still computing
         self.queued_late = 0  # of them, those whose step before had already ended: the device waited
 
@@ -47,6 +51,19 @@ class StepClock:
     def timed(self, tokens: int, device_s: float) -> None:
         """A step of `tokens` kept the device busy for `device_s`."""
         self._device_s.setdefault(tokens.bit_length(), collections.deque(maxlen=RECENT)).append(device_s)
+
+    def ended_at(self, sample) -> float:
+        """When (time.monotonic()) the device finished a step just read back (its DeviceSample).
+        The host's stamp of a wait for it (`finished_at`) comes a wake-up late, and a step the host
+        did not wait for has none: the host may have been queuing the next step long after it ended.
+        So the end is counted on the device's clock from the stamp that implies the earliest ends
+        (stamps are never early); off CUDA it is now."""
+        anchor = self._anchor
+        since = sample.device_seconds_since(anchor) if anchor is not None else None
+        if sample.finished_at is not None and (since is None or sample.finished_at <= anchor.finished_at + since):
+            self._anchor = sample
+            return sample.finished_at
+        return time.monotonic() if since is None else anchor.finished_at + since
 
     def started(self, tokens: int, at: float) -> None:
         """A step of `tokens` is on the device since about `at` (time.monotonic())."""

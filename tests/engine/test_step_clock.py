@@ -69,6 +69,32 @@ def test_with_nothing_on_the_device_the_next_step_is_planned_at_once():
     assert (clock.queued, clock.queued_late) == (1, 1)
 
 
+class ReadBack:
+    """A read back step's DeviceSample as StepClock.ended_at reads it: `device_s`, its end on the
+    device's clock (CUDA events, which cannot run here); `finished_at`, the host's stamp of its wait
+    for it (None: the step had ended before the host asked)."""
+
+    def __init__(self, device_s: float, finished_at: float | None = None):
+        self.device_s, self.finished_at = device_s, finished_at
+
+    def device_seconds_since(self, earlier) -> float:
+        return self.device_s - earlier.device_s
+
+
+def test_a_step_the_host_did_not_wait_for_ended_when_the_device_clock_says():
+    """Not when it was read back: the host may have spent the time since queuing the next step
+    (planning from that moment idled the device). The stamp that implies the earliest ends counts,
+    since a wait's stamp comes a wake-up late, never early."""
+    clock = StepClock()
+    before = time.monotonic()
+    assert before <= clock.ended_at(ReadBack(5.0)) <= time.monotonic()  # nothing to count from yet: now
+    assert clock.ended_at(ReadBack(10.000, finished_at=100.000)) == 100.000
+    assert clock.ended_at(ReadBack(10.050)) == pytest.approx(100.050)
+    assert clock.ended_at(ReadBack(10.100, finished_at=100.108)) == pytest.approx(100.100)  # woke 8 ms late
+    assert clock.ended_at(ReadBack(10.150, finished_at=100.149)) == 100.149  # the first stamp was 1 ms late
+    assert clock.ended_at(ReadBack(10.200)) == pytest.approx(100.199)
+
+
 async def _output_times(engine: AsyncLLMEngine, prompt, max_tokens: int, abort_after: int | None = None) -> list:
     """When each output came; with `abort_after`, the stream is left after that many (an abort)."""
     times = []

@@ -25,6 +25,7 @@ def run_engine(engine: LLMEngine, wl: Workload, name: str = "ours",
     chunks: dict[str, list[float]] = {}
     tokens: dict[str, int] = {}
     steps_before = engine.num_steps
+    queued_before = (engine.clock.queued, engine.clock.queued_late) if engine.clock is not None else (0, 0)
     start = time.perf_counter()
     slot_free_since = start  # since when fewer than wl.concurrency requests have been in the engine
     next_i = 0
@@ -68,8 +69,9 @@ def run_engine(engine: LLMEngine, wl: Workload, name: str = "ours",
     stats = engine.stats()
     extra = {"steps": engine.num_steps - steps_before, "preemptions": stats.num_preempted_total,
              "kv_hit_rate": stats.kv_cache_hit_rate, "kv_pool_tokens": engine.limits.max_cache_tokens}
-    if engine.clock is not None and engine.clock.queued:  # late planning: how often the device waited for the host
-        extra.update(queued_behind=engine.clock.queued, queued_late=engine.clock.queued_late,
+    if engine.clock is not None and engine.clock.queued > queued_before[0]:  # late planning: did the device wait?
+        extra.update(queued_behind=engine.clock.queued - queued_before[0],
+                     queued_late=engine.clock.queued_late - queued_before[1],
                      step_estimates_ms={n: round(s * 1e3, 2) for n, s in engine.clock.estimates.items()})
     result = summarize(name, wall, timings, sum(len(p) for p in wl.prompts), extra)
     result.output_lens = [tokens[rid] for rid in arrived]

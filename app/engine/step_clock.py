@@ -22,6 +22,7 @@ import time
 
 RECENT = 8  # steps remembered per size (and the host's leads)
 HOST_SAFETY_S = 0.002  # on top of the largest recent lead: the host's wake-up, a late command, uneven queuing
+ANCHOR_S = 1.0  # a waited-for stamp is replaced by a later one after this long: the two clocks drift apart
 
 
 class StepClock:
@@ -36,7 +37,10 @@ class StepClock:
         self._plan_at: float | None = None
         self._anchor = None  # the read back step whose `finished_at` stamp is nearest its end (see ended_at)
         self.queued = 0  # steps queued behind one still computing
-        self.queued_late = 0  # of them, those whose step before had already ended: the device waited
+        # Of them, those whose step before had already ended when their first kernel was queued: the
+        # device waited. A wait later in a step queued op by op (the device catching up with the host
+        # mid-step) is not counted.
+        self.queued_late = 0
 
     def planned(self, tokens: int, to_forward_s: float, forward_s: float, late: bool) -> None:
         """A step of `tokens` was queued behind another (which had already ended if `late`): the host
@@ -57,12 +61,13 @@ class StepClock:
         The host's stamp of a wait for it (`finished_at`) comes a wake-up late, and a step the host
         did not wait for has none: the host may have been queuing the next step long after it ended.
         So the end is counted on the device's clock from the stamp that implies the earliest ends
-        (stamps are never early); off CUDA it is now."""
+        (stamps are never early), replaced after ANCHOR_S by the next stamp; off CUDA it is now."""
         anchor = self._anchor
         since = sample.device_seconds_since(anchor) if anchor is not None else None
-        if sample.finished_at is not None and (since is None or sample.finished_at <= anchor.finished_at + since):
+        stamp = sample.finished_at
+        if stamp is not None and (since is None or stamp <= anchor.finished_at + since or since > ANCHOR_S):
             self._anchor = sample
-            return sample.finished_at
+            return stamp
         return time.monotonic() if since is None else anchor.finished_at + since
 
     def started(self, tokens: int, at: float) -> None:

@@ -8,7 +8,7 @@ import pytest
 
 from app.engine import SamplingParams
 from app.engine.async_engine import AsyncLLMEngine
-from app.engine.step_clock import HOST_SAFETY_S, RECENT, StepClock
+from app.engine.step_clock import ANCHOR_S, HOST_SAFETY_S, RECENT, StepClock
 from tests.conftest import make_engine
 
 
@@ -84,7 +84,7 @@ class ReadBack:
 def test_a_step_the_host_did_not_wait_for_ended_when_the_device_clock_says():
     """Not when it was read back: the host may have spent the time since queuing the next step
     (planning from that moment idled the device). The stamp that implies the earliest ends counts,
-    since a wait's stamp comes a wake-up late, never early."""
+    since a wait's stamp comes a wake-up late, never early, until it is ANCHOR_S old."""
     clock = StepClock()
     before = time.monotonic()
     assert before <= clock.ended_at(ReadBack(5.0)) <= time.monotonic()  # nothing to count from yet: now
@@ -93,6 +93,10 @@ def test_a_step_the_host_did_not_wait_for_ended_when_the_device_clock_says():
     assert clock.ended_at(ReadBack(10.100, finished_at=100.108)) == pytest.approx(100.100)  # woke 8 ms late
     assert clock.ended_at(ReadBack(10.150, finished_at=100.149)) == 100.149  # the first stamp was 1 ms late
     assert clock.ended_at(ReadBack(10.200)) == pytest.approx(100.199)
+    # Past ANCHOR_S the next stamp anchors, late or not: the host's and the device's clocks drift apart.
+    late = ReadBack(10.150 + ANCHOR_S + 0.1, finished_at=100.149 + ANCHOR_S + 0.1 + 0.003)
+    assert clock.ended_at(late) == late.finished_at
+    assert clock.ended_at(ReadBack(late.device_s + 0.05)) == pytest.approx(late.finished_at + 0.05)
 
 
 async def _output_times(engine: AsyncLLMEngine, prompt, max_tokens: int, abort_after: int | None = None) -> list:

@@ -72,7 +72,7 @@ def run_engine(engine: LLMEngine, wl: Workload, name: str = "ours",
     if engine.clock is not None and engine.clock.queued > queued_before[0]:  # late planning: did the device wait?
         extra.update(queued_behind=engine.clock.queued - queued_before[0],
                      queued_late=engine.clock.queued_late - queued_before[1],
-                     step_estimates_ms={n: round(s * 1e3, 2) for n, s in engine.clock.estimates.items()})
+                     step_estimates_ms={n: round(s * 1e3, 2) for n, s in engine.clock.estimates.items()})  # at the run's end
     result = summarize(name, wall, timings, sum(len(p) for p in wl.prompts), extra)
     result.output_lens = [tokens[rid] for rid in arrived]
     return result

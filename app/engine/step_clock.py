@@ -10,7 +10,7 @@ ends, for steps queued while the one before was still computing), and how much o
 needs: the time from starting to plan a step until its first kernel is queued, plus, where queuing
 the rest of it takes the host longer than the device takes to compute it, the difference (else the
 device would catch up with the host and wait). On an H200 a 2,048-token step of the 8B shape computes
-for about 50 ms, and the host takes about 7 ms to plan it and 34 ms more to queue its kernels one by
+for about 50 ms, and the host takes about 7 ms to plan it and about 32 ms more to queue its kernels one by
 one: it is planned about 9 ms before the step computing ends, not 41. The serving loops go on taking
 requests until `seconds_to_plan` reaches 0. Without a measured step of the in-flight step's size
 (the first steps, or off CUDA) it says 0: plan now, as without the clock.

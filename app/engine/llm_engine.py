@@ -97,8 +97,7 @@ class LLMEngine:
         self._in_flight: LaunchedStep | None = None
         # Overlapped steps are planned as late as the one computing allows (app/engine/step_clock.py).
         self.clock = StepClock() if config.late_planning else None
-        self._last_read: LaunchedStep | None = None  # the overlapped step read back last, if the one after it queued
-        self._step_began = 0.0  # time.monotonic() at the start of step()
+        self._last_read: LaunchedStep | None = None  # the overlapped step read back last
         self._read_back: list[RequestOutput] = []  # outputs of a step read back while the next one failed
         self._stepping: set[str] = set()  # requests of the step being computed
         self.failed_steps = 0  # in a row
@@ -226,10 +225,10 @@ class LLMEngine:
         their KV blocks are freed and their outputs carry the error, while waiting requests and the
         engine go on. Only MAX_FAILED_STEPS failures in a row (a lost device, not a bad request)
         propagate, for the serving layer to replace the engine."""
-        self._step_began = time.monotonic()  # the host's lead counts from here (StepClock.planned)
+        began = time.monotonic()  # the host's lead counts from here (StepClock.planned)
         failed = self._admit_compiled() if self.compiling else []  # already out of self.requests: returned whatever
         try:
-            outputs = self._step()
+            outputs = self._step(began)
         except Exception as exc:  # noqa: BLE001 - re-raised once failures repeat
             self.failed_steps += 1
             if self.failed_steps >= MAX_FAILED_STEPS:
@@ -243,14 +242,14 @@ class LLMEngine:
         return failed + outputs
 
     def _fail_stepping(self, error: str) -> list[RequestOutput]:
-        self._in_flight = self._last_read = None  # its requests are among those failed: nothing waits for its tokens
+        self._in_flight = None  # its requests are among those failed: nothing waits for its tokens
         outputs = [self.abort_request(request_id) for request_id in self._stepping]
         for output in outputs:
             if output is not None:
                 output.error = error
         return [output for output in outputs if output is not None]
 
-    def _step(self) -> list[RequestOutput]:
+    def _step(self, began: float) -> list[RequestOutput]:
         """One step. Overlapped (see `overlap`), it queues step k + 1 on the device, then reads back
         step k and returns step k's outputs: the host's scheduling and output work runs while the
         device computes. A token's stop check then comes one step late, so a sequence that ends on
@@ -260,7 +259,6 @@ class LLMEngine:
         overlap = (self.overlap and all(r.overlappable for rid, r in self.requests.items() if rid not in self.compiling)
                    and not self.scheduler.guesses_next())
         if not overlap and self._in_flight is not None:  # catch up before a step that needs every token
-            self._last_read = None
             return self._finish(self._take_in_flight())
         plan = self.scheduler.schedule()
         if not overlap:
@@ -280,7 +278,7 @@ class LLMEngine:
             guided = any(item.seq.grammar is not None for item in plan.scheduled)
             launched = self.runner.launch(plan, self._in_flight, sample=not guided)
             if self.clock is not None and self._in_flight is not None and not guided:
-                self.clock.planned(plan.num_tokens, launched.forward_at - self._step_began,
+                self.clock.planned(plan.num_tokens, launched.forward_at - began,
                                    time.monotonic() - launched.forward_at, late=not launched.back_to_back)
         previous = self._take_in_flight() if self._in_flight is not None else None
         seqs = self.scheduler.update(previous.plan, previous.seqs, previous.sample.result()) if previous else []
@@ -309,8 +307,10 @@ class LLMEngine:
         kernel was queued if later (or if nothing was read back: it was queued on an idle device)."""
         if self.clock is None:
             return
-        before, self._last_read = self._last_read, read if computing is not None else None
-        if read is not None and read.back_to_back and before is not None:
+        # A step back to back with the one before it was queued while that one computed, and that one
+        # was read back in the same step(): the step read back before it, always.
+        before, self._last_read = self._last_read, read
+        if read is not None and read.back_to_back:
             device_s = read.sample.device_seconds_since(before.sample)
             if device_s is not None:
                 self.clock.timed(read.plan.num_tokens, device_s)

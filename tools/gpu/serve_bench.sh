@@ -99,28 +99,23 @@ use_config() {  # $1/config.yaml written: a serve config naming it, for the step
   echo "config: $CONFIG"
 }
 
-fp8() {  # a copy of the config with quantization: fp8
-  local dir=/tmp/llm-serve-fp8
+with_key() {  # step key value: a copy of the config with "key: value" added, for the steps after this one
+  local dir=/tmp/llm-serve-$1
   mkdir -p "$dir"
   # A step that cannot make its config stops the script: the steps after it would measure the wrong one.
-  grep -q '^quantization:' "$CONFIG" && { echo "fp8: $CONFIG sets quantization already"; exit 1; }
-  { cat "$CONFIG"; echo; echo "quantization: fp8"; } > "$dir/config.yaml"
+  grep -q "^$2:" "$CONFIG" && { echo "$1: $CONFIG sets $2 already"; exit 1; }
+  { cat "$CONFIG"; echo; echo "$2: $3"; } > "$dir/config.yaml"
   use_config "$dir"
 }
+
+fp8() { with_key fp8 quantization fp8; }
+early() { with_key early late_planning false; }  # each step planned as soon as the one before is read back
 
 tokens() {  # a copy of the config with MAX_NUM_TOKENS tokens a step
   local dir=/tmp/llm-serve-tokens-${MAX_NUM_TOKENS:?tokens: set MAX_NUM_TOKENS}
   mkdir -p "$dir"
   sed "s/^max_num_tokens:.*/max_num_tokens: $MAX_NUM_TOKENS/" "$CONFIG" > "$dir/config.yaml"
   grep -q "^max_num_tokens: $MAX_NUM_TOKENS$" "$dir/config.yaml" || { echo "tokens: no max_num_tokens in $CONFIG"; exit 1; }
-  use_config "$dir"
-}
-
-early() {  # a copy of the config with late_planning: false (each step planned when the one before is read back)
-  local dir=/tmp/llm-serve-early
-  mkdir -p "$dir"
-  grep -q '^late_planning:' "$CONFIG" && { echo "early: $CONFIG sets late_planning already"; exit 1; }
-  { cat "$CONFIG"; echo; echo "late_planning: false"; } > "$dir/config.yaml"
   use_config "$dir"
 }
 

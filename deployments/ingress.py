@@ -28,7 +28,8 @@ from app.engine.errors import BackendError, EngineDeadError, EngineStepError, In
 from app.engine.sequence import FinishReason
 from app.protocol import openai, openapi, triton, triton_binary
 from app.protocol.body import parse_body
-from app.protocol.messages import AdapterRef, GenerationJob, TextChunk, TextOutput, check_job, merge_chunks
+from app.protocol.messages import (AdapterRef, GenerationJob, TextChunk, TextOutput, check_job, merge_chunks,
+                                   tokenized_as_sent)
 from app.security import api_key, refusal
 from deployments.handles import for_this_replica
 from deployments.metrics import IngressMetrics
@@ -173,7 +174,7 @@ class Ingress:
         started, first, finished, num_output = time.monotonic(), None, False, 0
         last: dict[int, TextOutput] = {}
         async with self._claimed(client_id) as stop:
-            tokenized = await self.tokenize(job)
+            tokenized = tokenized_as_sent(job) or await self.tokenize(job)
             try:
                 async with aclosing(self.inbound.receive(
                         lambda reply_to: self.detokenizer.generate.remote(tokenized, reply_to), stop)) as chunks:

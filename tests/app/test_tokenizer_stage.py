@@ -2,7 +2,7 @@
 and the text prompts among them are encoded as one batch."""
 from app.engine.errors import InvalidRequestError
 from app.engine.sampling_params import SamplingParams
-from app.protocol.messages import GenerationJob
+from app.protocol.messages import AdapterRef, GenerationJob, TokenizedJob, tokenized_as_sent
 from deployments.tokenizer import TokenizerDeployment
 
 
@@ -28,3 +28,23 @@ def test_one_jobs_refusal_or_failure_leaves_the_others_of_its_call_tokenized(smo
     assert (ids.request_id, ids.prompt_token_ids, ids.echo) == ("d", [1, 2, 3], stage.tokenizer.decode([1, 2, 3]))
     # The text prompts of a call are encoded as one batch, each as encoding it alone gives.
     assert (text.request_id, text.prompt_token_ids) == ("e", stage.tokenizer.encode(jobs[4].prompt))
+
+
+def test_a_job_with_nothing_to_tokenize_skips_the_stage_and_gets_what_the_stage_gives(smollm2_dir):
+    """The Ingress sends token-id jobs with no words and no echo on without a Tokenizer call: what it
+    sends must be what the stage would have answered. Every other job still needs the stage."""
+    stage = TokenizerDeployment.func_or_class(str(smollm2_dir))
+    params = SamplingParams(max_tokens=4, stop_token_ids=[[7]], bad_token_ids=[[9, 10]])
+    ids = [1, 2, 3]
+    as_sent = [GenerationJob("a", params, prompt_token_ids=ids),
+               GenerationJob("b", params, prompt_token_ids=ids, adapter=AdapterRef("poet", "/adapters/poet"))]
+    for job in as_sent:
+        assert tokenized_as_sent(job) == stage._tokenize(job)
+    needs_the_stage = [GenerationJob("c", params, prompt_token_ids=ids, stop=["Paris"]),
+                       GenerationJob("d", params, prompt_token_ids=ids, bad_words=["war"]),
+                       GenerationJob("e", params, prompt_token_ids=ids, echo=True),
+                       GenerationJob("f", params, prompt="The capital of France is"),
+                       GenerationJob("g", params, messages=[{"role": "user", "content": "hi"}])]
+    for job in needs_the_stage:
+        assert tokenized_as_sent(job) is None
+        assert stage._tokenize(job) != TokenizedJob(job.request_id, ids, params, [], None)

@@ -111,12 +111,19 @@ def test_replica_killed_mid_stream_ends_the_stream_and_is_replaced(ops, deployme
     error event at once, never a hang; the tokenizer is done with a running stream, which must
     finish untouched. Either way a replacement replica serves new requests."""
     body = {**LONG, "max_tokens": 40} if deployment == "Tokenizer" else LONG
+    ids = {"input_ids": [[1, 504, 3458, 282, 4649, 314]], "request_output_len": 6}
+    before = ops.post("/v2/models/tensorrt_llm/generate", json=ids) if deployment == "Tokenizer" else None
     with ops.stream("POST", "/v2/models/ensemble/generate_stream", json=body, timeout=30) as r:
         lines = r.iter_lines()
         first = next(line for line in lines if line.startswith("data: "))
         assert "text_output" in first
         killed = time.monotonic()
         ray.kill(_replica(deployment), no_restart=True)
+        if deployment == "Tokenizer":  # token ids with nothing to tokenize never wait for a Tokenizer
+            during = ops.post("/v2/models/tensorrt_llm/generate", json=ids, timeout=5)
+            assert during.status_code == 200, during.text
+            assert during.json()["output_ids"] == before.json()["output_ids"]
+            assert time.monotonic() - killed < 5
         rest = _events(lines)
         ended_after = time.monotonic() - killed
     if deployment == "Tokenizer":

@@ -37,14 +37,18 @@ def test_a_job_with_nothing_to_tokenize_skips_the_stage_and_gets_what_the_stage_
     params = SamplingParams(max_tokens=4, stop_token_ids=[[7]], bad_token_ids=[[9, 10]])
     ids = [1, 2, 3]
     as_sent = [GenerationJob("a", params, prompt_token_ids=ids),
-               GenerationJob("b", params, prompt_token_ids=ids, adapter=AdapterRef("poet", "/adapters/poet"))]
+               GenerationJob("b", params, prompt_token_ids=ids, adapter=AdapterRef("poet", "/adapters/poet")),
+               GenerationJob("empty", params, prompt_token_ids=[])]  # the engine refuses it, as before
     for job in as_sent:
         assert tokenized_as_sent(job) == stage._tokenize(job)
-    needs_the_stage = [GenerationJob("c", params, prompt_token_ids=ids, stop=["Paris"]),
-                       GenerationJob("d", params, prompt_token_ids=ids, bad_words=["war"]),
-                       GenerationJob("e", params, prompt_token_ids=ids, echo=True),
-                       GenerationJob("f", params, prompt="The capital of France is"),
-                       GenerationJob("g", params, messages=[{"role": "user", "content": "hi"}])]
-    for job in needs_the_stage:
+    # Ids with words or echo: the stage adds to what was sent, so skipping it would lose that.
+    with_words = [GenerationJob("c", params, prompt_token_ids=ids, stop=["Paris"]),
+                  GenerationJob("d", params, prompt_token_ids=ids, bad_words=["war"]),
+                  GenerationJob("e", params, prompt_token_ids=ids, echo=True)]
+    for job in with_words:
         assert tokenized_as_sent(job) is None
         assert stage._tokenize(job) != TokenizedJob(job.request_id, ids, params, [], None)
+    for job in (GenerationJob("f", params, prompt="The capital of France is"),
+                GenerationJob("g", params, messages=[{"role": "user", "content": "hi"}]),
+                GenerationJob("h", params, prompt_token_ids=ids, stop=[""])):
+        assert tokenized_as_sent(job) is None

@@ -109,21 +109,21 @@ def _recover(ops, started: float, limit_s: float = 90) -> float:
 def test_replica_killed_mid_stream_ends_the_stream_and_is_replaced(ops, deployment):
     """Kill a replica (by its actor handle) while a stream runs: a stream through it ends with an
     error event at once, never a hang; the tokenizer is done with a running stream, which must
-    finish untouched. Either way a replacement replica serves new requests."""
+    finish untouched, and token ids go on without it. Either way a replacement replica serves new
+    requests."""
     body = {**LONG, "max_tokens": 40} if deployment == "Tokenizer" else LONG
     ids = {"input_ids": [[1, 504, 3458, 282, 4649, 314]], "request_output_len": 6}
     before = ops.post("/v2/models/tensorrt_llm/generate", json=ids) if deployment == "Tokenizer" else None
+    assert before is None or before.status_code == 200, before.text
     with ops.stream("POST", "/v2/models/ensemble/generate_stream", json=body, timeout=30) as r:
         lines = r.iter_lines()
         first = next(line for line in lines if line.startswith("data: "))
         assert "text_output" in first
         killed = time.monotonic()
-        ray.kill(_replica(deployment), no_restart=True)
-        if deployment == "Tokenizer":  # token ids with nothing to tokenize never wait for a Tokenizer
-            during = ops.post("/v2/models/tensorrt_llm/generate", json=ids, timeout=5)
-            assert during.status_code == 200, during.text
-            assert during.json()["output_ids"] == before.json()["output_ids"]
-            assert time.monotonic() - killed < 5
+        replica = _replica(deployment)
+        ray.kill(replica, no_restart=True)
+        if deployment == "Tokenizer":
+            _served_without_a_tokenizer(ops, replica, ids, before)
         rest = _events(lines)
         ended_after = time.monotonic() - killed
     if deployment == "Tokenizer":
@@ -137,6 +137,24 @@ def test_replica_killed_mid_stream_ends_the_stream_and_is_replaced(ops, deployme
         print(f"engine KV freed {_kv_freed_after(killed):.1f} s after the kill")
     recovered = _recover(ops, killed)
     print(f"{deployment}: stream ended {ended_after:.1f} s after the kill; new requests served after {recovered:.1f} s")
+
+
+def _served_without_a_tokenizer(ops, killed, ids: dict, before: httpx.Response) -> None:
+    """Token ids with nothing to tokenize never go to the Tokenizer: such a request is answered while
+    the killed Tokenizer replica is dead, sooner than Serve notices and replaces it (its health
+    checks run every 10 s by default; docs/PERFORMANCE.md has replacements serving after 10-14 s).
+    A request that needed the Tokenizer would fail or wait for the replacement."""
+    deadline = time.monotonic() + 30
+    while True:  # ray.kill returns before the actor is gone
+        try:
+            ray.get(killed.__ray_ready__.remote(), timeout=5)
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            break
+        assert time.monotonic() < deadline, "the killed Tokenizer replica still answers"
+        time.sleep(0.1)
+    during = ops.post("/v2/models/tensorrt_llm/generate", json=ids, timeout=8)
+    assert during.status_code == 200, during.text
+    assert len(during.json()["output_ids"]) == len(before.json()["output_ids"])
 
 
 def test_an_adapter_brought_by_path_survives_its_engine_replica(ops, lora_root):

@@ -74,8 +74,8 @@ class TokenizedJob:
 def tokenized_as_sent(job: GenerationJob) -> TokenizedJob | None:
     """The job as the engine takes it, where the Tokenizer has nothing to do for it: token ids, no
     stop or bad words as text, no prompt text to echo. None where the Tokenizer is needed. The
-    Ingress sends such a job on without a Tokenizer call, one Serve hop less on the way in; each ms
-    of the way in kept a closed loop's refills queued longer (docs/PERFORMANCE.md)."""
+    Ingress sends such a job on without a Tokenizer call: one Serve hop less on the way in
+    (docs/PERFORMANCE.md, "Token ids skip the Tokenizer")."""
     if job.prompt_token_ids is None or job.messages is not None or job.stop or job.bad_words or job.echo:
         return None
     return TokenizedJob(job.request_id, job.prompt_token_ids, job.params, [], job.adapter)

@@ -8,11 +8,12 @@
 # process is the bound at 256 streams, and 4 against 8 shows whether the client still is; py-spy
 # and top look at the replicas during the first run at 256 streams.
 #
-# Wheels: `bash tools/gpu/wheels.sh` here first. It fills .whl/1 and .whl/2, each under the 64 MiB a
-# call carries, the ray wheel split across them. Then two calls on one warm machine, the second
-# sent within ~30 s of the first (the machine, and /tmp, go back when idle):
+# Wheels: `bash tools/gpu/wheels.sh` here first. It fills .whl/1-3, each within the 64 MiB a call
+# carries beside the tracked files, the ray wheel split across the first two. Then three calls on
+# one warm machine, each sent within ~30 s of the one before (the machine, and /tmp, go back when idle):
 #   run(carry=[".whl/1"], command="bash tools/gpu/serve_bench.sh stash install tokenizer engine")
-#   run(carry=[".whl/2"], command="timeout 590 bash tools/gpu/serve_bench.sh stash install dag engine")
+#   run(carry=[".whl/2"], command="bash tools/gpu/serve_bench.sh stash")
+#   run(carry=[".whl/3"], command="timeout 590 bash tools/gpu/serve_bench.sh stash install dag engine")
 # Steps, in the order named:
 #   stash      copy the carried .whl/<n> into $WHEELS (/tmp survives between calls on a warm machine)
 #   install    pip, offline, from $WHEELS: pydantic and py-spy; ray[serve] once both halves are there

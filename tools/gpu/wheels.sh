@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Here, with network: the wheels that the device machine (Python 3.12, x86-64, torch and
-# transformers installed, no network) lacks for the whole app, in two carries of under 64 MiB each:
-# the ray wheel (79 MB) split in two, pydantic's wheels with the first half (the engine-alone run
-# needs them before ray is complete), every other wheel wherever there is more room.
+# transformers installed, no network) lacks for the whole app, in three carries (.whl/1-3), each of
+# which must fit beside the repository's tracked files in the 64 MiB a call carries: the ray wheel
+# (79 MB) split in two (.whl/1 and .whl/2), pydantic's wheels with the first half (the engine-alone
+# run needs them before ray is complete), every other wheel in the carry with the most room.
 # tools/gpu/serve_bench.sh's `stash` copies each carry to /tmp there and `install` joins the ray
 # wheel and installs offline. Pins follow requirements.txt (ray[serve]==2.60.0) and the dev venv.
 # /.whl/ is ignored by git; nothing here is committed.
@@ -14,7 +15,8 @@ PIP=${PIP:-$( [[ -x .venv/bin/python ]] && echo ".venv/bin/python -m pip" || ech
 # aiohttp (3.14.3) is older than ray[serve] 2.60 accepts, so that wheel travels.
 ON_DEVICE=${ON_DEVICE:-"numpy uvloop"}
 dl=.whl/download
-rm -rf .whl/1 .whl/2 && mkdir -p "$dl" .whl/1 .whl/2
+parts=(.whl/1 .whl/2 .whl/3)
+rm -rf "${parts[@]}" && mkdir -p "$dl" "${parts[@]}"
 $PIP download -q --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
     --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d "$dl" \
@@ -24,14 +26,19 @@ ray=$(basename "$dl"/ray-*.whl)
 split -b 40M "$dl/$ray" ".whl/1/$ray.part-"
 mv ".whl/1/$ray.part-ab" .whl/2/
 [[ -e .whl/1/$ray.part-ac ]] && { echo "the ray wheel needs a third part" >&2; exit 1; }
-for whl in $(ls -S "$dl"/*.whl); do  # largest first, each to the part with more room
+for whl in $(ls -S "$dl"/*.whl); do  # largest first, each to the carry with the most room
   name=$(basename "$whl" | cut -d- -f1 | tr '[:upper:]_' '[:lower:]-')
   [[ $name == ray || " $ON_DEVICE " == *" $name "* ]] && continue
   part=.whl/1
-  if [[ ! " pydantic pydantic-core annotated-types typing-inspection typing-extensions " == *" $name "* ]] &&
-      (( $(size .whl/2) < $(size .whl/1) )); then
-    part=.whl/2
+  if [[ ! " pydantic pydantic-core annotated-types typing-inspection typing-extensions " == *" $name "* ]]; then
+    for p in "${parts[@]}"; do (( $(size "$p") < $(size "$part") )) && part=$p; done
   fi
   cp "$whl" "$part/"
 done
-du -sh .whl/1 .whl/2
+# A call carries the tracked files too: each carry must fit beside them.
+tree=$(git ls-files -z | xargs -0 du -cb | tail -1 | cut -f1)
+for p in "${parts[@]}"; do
+  total=$(( $(size "$p") + tree ))
+  echo "$p: $(( $(size "$p") >> 20 )) MiB of wheels, $(( total >> 20 )) MiB with the tracked files"
+  (( total < 63 << 20 )) || { echo "$p does not fit in a call's 64 MiB beside the tracked files" >&2; exit 1; }
+done

@@ -36,7 +36,7 @@ for whl in $(ls -S "$dl"/*.whl); do  # largest first, each to the carry with the
   cp "$whl" "$part/"
 done
 # A call carries the tracked files too: each carry must fit beside them.
-tree=$(git ls-files -z | xargs -0 du -cb | tail -1 | cut -f1)
+tree=$(git ls-files -z | du -cb --files0-from=- | tail -1 | cut -f1)  # one du: xargs may split the list, and its totals
 for p in "${parts[@]}"; do
   total=$(( $(size "$p") + tree ))
   echo "$p: $(( $(size "$p") >> 20 )) MiB of wheels, $(( total >> 20 )) MiB with the tracked files"

@@ -1,5 +1,7 @@
 """The engine on a CUDA device against transformers on the same device (skipped without one;
 run on the GPU machines: `pytest tests/engine/test_gpu.py`)."""
+import itertools
+
 import pytest
 import torch
 
@@ -529,8 +531,9 @@ def test_draft_model_greedy_equals_plain_decoding_in_float32_with_cuda_graphs(ti
 def test_paged_decode_kernel_windows_and_softcaps_against_a_dense_reference():
     """The Triton decode kernel with sliding windows (one key; within a tile; a window starting mid-tile,
     so whole 128-token tiles before it are skipped; wider than the context) and a softcap, over 16-token
-    blocks in shuffled order, against dense float32 attention."""
-    from app.engine.models.triton_attention import paged_decode
+    blocks in shuffled order, against dense float32 attention; in the launch shapes of few programs and
+    of many."""
+    from app.engine.models.triton_attention import MANY_PROGRAMS, launch_shape, paged_decode
 
     g = torch.Generator().manual_seed(0)
     lens, block, kv_heads, heads = [1, 15, 16, 127, 128, 129, 300, 515], 16, 2, 8
@@ -542,10 +545,11 @@ def test_paged_decode_kernel_windows_and_softcaps_against_a_dense_reference():
     for head_dim in (64, 96, 256):  # 96 (Phi-3-mini): padded to the kernel's power-of-2 tile
         k_cache, v_cache = (torch.randn(sum(counts), block, kv_heads, head_dim, generator=g).cuda() for _ in "kv")
         q = torch.randn(len(lens), heads, head_dim, generator=g).cuda()
-        for window, softcap in [(None, None), (1, None), (16, None), (100, 4.0), (129, None), (1000, None),
-                                (None, 4.0)]:
+        for (window, softcap), programs in itertools.product(
+                [(None, None), (1, None), (16, None), (100, 4.0), (129, None), (1000, None), (None, 4.0)],
+                (1, MANY_PROGRAMS)):
             out = paged_decode(q, k_cache, v_cache, tables.cuda(), torch.tensor(lens, dtype=torch.int32).cuda(),
-                               0.125, window, softcap)
+                               0.125, window, softcap, shape=launch_shape(programs, fp8=False))
             for i, n in enumerate(lens):
                 keys, values = (c[tables[i, :counts[i]].long()].flatten(0, 1)[:n][-(window or n):]
                                 .repeat_interleave(heads // kv_heads, 1) for c in (k_cache, v_cache))
@@ -553,7 +557,7 @@ def test_paged_decode_kernel_windows_and_softcaps_against_a_dense_reference():
                 if softcap:
                     scores = torch.tanh(scores / softcap) * softcap
                 expected = torch.einsum("hn,nhd->hd", scores.softmax(-1), values)
-                assert torch.allclose(out[i], expected, atol=1e-4), (head_dim, window, softcap, n)
+                assert torch.allclose(out[i], expected, atol=1e-4), (head_dim, window, softcap, n, programs)
 
 
 def test_windowed_varlen_prefill_against_chunk_by_chunk_prefill():
@@ -696,13 +700,14 @@ def test_fp8_kv_cache_triton_write_and_decode_against_the_bfloat16_cache():
     them is exact however the kernel divides). The fused rotary + KV write stores the bf16 keys and
     values it computes divided by their scale in E4M3, byte for byte what the portable quantize makes
     of the bf16 cache's contents, and leaves k and v in qkv as the cache holds them (q untouched).
-    The decode kernel over that cache: within bf16 rounding of dense float32 attention over the
-    dequantized cache, and within FP8's precision of the kernel over the bf16 cache (per head, a
-    relative error < 0.12; dense float32 attention over the same data gave at most 0.066 on CPU)."""
+    The decode kernel over that cache, in the launch shapes of few programs and of many: within bf16
+    rounding of dense float32 attention over the dequantized cache, and within FP8's precision of the
+    kernel over the bf16 cache (per head, a relative error < 0.12; dense float32 attention over the same
+    data gave at most 0.066 on CPU)."""
     from app.engine.models import triton_fused
     from app.engine.models.attention import FP8, dequantize, quantize
     from app.engine.models.layers import RotaryEmbedding
-    from app.engine.models.triton_attention import paged_decode
+    from app.engine.models.triton_attention import MANY_PROGRAMS, launch_shape, paged_decode
 
     g = torch.Generator().manual_seed(0)
     heads, kv_heads, head_dim, block = 8, 2, 64, 16
@@ -735,17 +740,19 @@ def test_fp8_kv_cache_triton_write_and_decode_against_the_bfloat16_cache():
     k8, v8 = quantize(k16, scales[0]), quantize(v16, scales[1])
     q = torch.randn(len(lens), heads, head_dim, generator=g).bfloat16().cuda()
     tables, context = tables.cuda(), torch.tensor(lens, dtype=torch.int32).cuda()
-    out8 = paged_decode(q, k8, v8, tables, context, 0.125, kv_scales=scales).float()
-    out16 = paged_decode(q, k16, v16, tables, context, 0.125).float()
     keys, values = dequantize(k8, scales[0], torch.float32), dequantize(v8, scales[1], torch.float32)
-    for i, n in enumerate(lens):
-        k_seq, v_seq = (c[tables[i, :counts[i]].long()].flatten(0, 1)[:n].repeat_interleave(heads // kv_heads, 1)
-                        for c in (keys, values))
-        scores = torch.einsum("hd,nhd->hn", q[i].float(), k_seq) * 0.125
-        expected = torch.einsum("hn,nhd->hd", scores.softmax(-1), v_seq)
-        assert (out8[i] - expected).abs().max() < 3e-2, n
-        relative = (out8[i] - out16[i]).norm(dim=-1) / out16[i].norm(dim=-1)
-        assert relative.max() < 0.12, (n, relative.max())
+    for programs in (1, MANY_PROGRAMS):
+        out8 = paged_decode(q, k8, v8, tables, context, 0.125, kv_scales=scales,
+                            shape=launch_shape(programs, fp8=True)).float()
+        out16 = paged_decode(q, k16, v16, tables, context, 0.125, shape=launch_shape(programs, fp8=False)).float()
+        for i, n in enumerate(lens):
+            k_seq, v_seq = (c[tables[i, :counts[i]].long()].flatten(0, 1)[:n].repeat_interleave(heads // kv_heads, 1)
+                            for c in (keys, values))
+            scores = torch.einsum("hd,nhd->hn", q[i].float(), k_seq) * 0.125
+            expected = torch.einsum("hn,nhd->hd", scores.softmax(-1), v_seq)
+            assert (out8[i] - expected).abs().max() < 3e-2, (n, programs)
+            relative = (out8[i] - out16[i]).norm(dim=-1) / out16[i].norm(dim=-1)
+            assert relative.max() < 0.12, (n, programs, relative.max())
 
 
 @pytest.mark.parametrize("kv_dtype", ["bfloat16", "fp8"])

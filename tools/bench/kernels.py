@@ -19,13 +19,14 @@ from triton.testing import do_bench
 from app.engine.models.attention import AttentionMetadata, PackedPrefills
 from app.engine.models.kernels import CudaKernels, TorchKernels
 from app.engine.models.moe import SparseMoE
-from app.engine.models.triton_attention import paged_decode
+from app.engine.models.triton_attention import launch_shape, paged_decode
 from app.engine.models.triton_fused import add_rms_norm
 from app.engine.parallel import SINGLE
 
 SHAPES = {"llama-3.1-8b": dict(heads=32, kv_heads=8, head_dim=128, hidden=4096),
           "smollm2-135m": dict(heads=9, kv_heads=3, head_dim=64, hidden=576)}
 ROWS: list[dict] = []
+DECODE_SWEEP = [(tile, warps, stages) for tile in (32, 64, 128) for warps in (2, 4) for stages in (2, 3)]
 
 
 def _row(**fields) -> None:
@@ -47,27 +48,30 @@ def _random_cache(num_seqs: int, context: int, kv_heads: int, head_dim: int, blo
 
 
 def decode(shape: str, num_seqs: int, context: int, block_size: int) -> None:
+    """The paged decode kernel over a bf16 cache and over the FP8 cache rounded from it, in the shape
+    launch_shape picks and in a sweep of others, each replayed from a CUDA graph (as decode steps run:
+    no host time in it); checked against float32 SDPA over the gathered blocks of that cache."""
     s = SHAPES[shape]
     k, v, tables = _random_cache(num_seqs, context, s["kv_heads"], s["head_dim"], block_size)
     q = torch.randn(num_seqs, s["heads"], s["head_dim"], device="cuda", dtype=torch.bfloat16)
     lens = torch.full((num_seqs,), context, device="cuda", dtype=torch.int32)
     scale = s["head_dim"] ** -0.5
-    # Reference: gathered keys and values through SDPA in float32 for the first few sequences.
+    k_scale, v_scale = (x.float().abs().amax().reshape(1) / 448.0 for x in (k, v))
+    k8, v8 = (x.float().div(sc).to(torch.float8_e4m3fn) for x, sc in ((k, k_scale), (v, v_scale)))
     few = min(num_seqs, 4)
-    keys = k[tables[:few].long()].flatten(1, 2)[:, :context].transpose(1, 2).float()
-    values = v[tables[:few].long()].flatten(1, 2)[:, :context].transpose(1, 2).float()
-    ref = F.scaled_dot_product_attention(q[:few, :, None].float(), keys, values, scale=scale, enable_gqa=True)[:, :, 0]
-    kv_bytes = 2 * num_seqs * context * s["kv_heads"] * s["head_dim"] * 2
-    for tile in (32, 64, 128):
-        for warps in (2, 4, 8):
-            if tile < block_size:
-                continue
-            out = paged_decode(q, k, v, tables, lens, scale, tile_tokens=tile, num_warps=warps)
-            err = _rel_err(out[:few], ref)
-            us = do_bench(lambda: paged_decode(q, k, v, tables, lens, scale, tile_tokens=tile, num_warps=warps),
-                          warmup=25, rep=200, return_mode="median") * 1e3
-            _row(kernel="paged_decode", shape=shape, seqs=num_seqs, context=context, block=block_size, tile=tile,
-                 warps=warps, us=us, gbps=kv_bytes / us / 1e3, rel_err=err)
+    elements = 2 * num_seqs * context * s["kv_heads"] * s["head_dim"]
+    for name, kc, vc, scales in (("bf16", k, v, None), ("fp8", k8, v8, (k_scale, v_scale))):
+        keys, values = ((c.float() * sc)[tables[:few].long()].flatten(1, 2)[:, :context].transpose(1, 2)
+                        for c, sc in zip((kc, vc), scales or (1.0, 1.0)))
+        ref = F.scaled_dot_product_attention(q[:few, :, None].float(), keys, values, scale=scale, enable_gqa=True)
+        chosen = launch_shape(num_seqs * s["kv_heads"], scales is not None)
+        for launch in [chosen] + [x for x in DECODE_SWEEP if x != chosen]:
+            def run(launch=launch):
+                return paged_decode(q, kc, vc, tables, lens, scale, kv_scales=scales, shape=launch)
+            us = _graph_us(run)
+            _row(kernel="paged_decode", cache=name, shape=shape, seqs=num_seqs, context=context, block=block_size,
+                 tile=launch[0], warps=launch[1], stages=launch[2], chosen=launch == chosen, us=us,
+                 gbps=elements * kc.element_size() / us / 1e3, rel_err=_rel_err(run()[:few], ref[:, :, 0]))
 
 
 def add_norm(shape: str, tokens: int) -> None:
@@ -341,8 +345,8 @@ def _attempt(fn, *args) -> None:
 
 def _decodes() -> None:
     for shape, seqs, context in (("smollm2-135m", 1, 200), ("llama-3.1-8b", 1, 200), ("llama-3.1-8b", 1, 2000),
-                                 ("llama-3.1-8b", 64, 256), ("llama-3.1-8b", 256, 256),
-                                 ("llama-3.1-8b", 200, 1500)):
+                                 ("llama-3.1-8b", 64, 256), ("llama-3.1-8b", 256, 256), ("llama-3.1-8b", 1024, 192),
+                                 ("llama-3.1-8b", 200, 1500), ("llama-3.1-8b", 512, 1500)):
         _attempt(decode, shape, seqs, context, 32)
 
 

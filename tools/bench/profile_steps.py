@@ -25,11 +25,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--rows", type=int, default=15)
     parser.add_argument("--disable-overlap-scheduler", action="store_true")
+    parser.add_argument("--quantization", choices=["fp8"], default=None)
+    parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto")
     args = parser.parse_args()
     engine = LLMEngine(EngineConfig(model=args.model, device="cuda", dtype="bfloat16", load_format="dummy",
                                     disable_overlap_scheduler=args.disable_overlap_scheduler,
-                                    max_batch_size=max(8, args.batch), max_num_tokens=8192,
-                                    kv_cache_config={"max_tokens": args.batch * (args.input_len + 3 * args.steps + 64)}))
+                                    max_batch_size=max(8, args.batch), max_num_tokens=8192, quantization=args.quantization,
+                                    kv_cache_config={"max_tokens": args.batch * (args.input_len + 3 * args.steps + 64),
+                                                     "dtype": args.kv_cache_dtype}))
     params = SamplingParams(max_tokens=2 * args.steps + 16, temperature=0.0, ignore_eos=True)
     g = torch.Generator().manual_seed(0)
     for i in range(args.batch):
@@ -53,7 +56,7 @@ def main() -> None:
     events = prof.key_averages()
     busy_ms = sum(e.self_device_time_total for e in events) / args.steps / 1e3
     kernels = sum(e.count for e in events if e.self_device_time_total > 0 and e.device_type.name == "CUDA")
-    print(f"{args.model} batch {args.batch}: step {wall_ms:.3f} ms wall, GPU busy {busy_ms:.3f} ms, "
+    print(f"{args.model} batch {args.batch} (linears {args.quantization or 'bf16'}, cache {args.kv_cache_dtype}): step {wall_ms:.3f} ms wall, GPU busy {busy_ms:.3f} ms, "
           f"{kernels / args.steps:.0f} kernels per step", flush=True)
     print(events.table(sort_by="self_device_time_total", row_limit=args.rows), flush=True)
 

@@ -22,6 +22,7 @@
 #              (tools/gpu/lora_config.py); the engine and dag steps after it then run every level twice,
 #              the base model and the adapters mixed, on /v1 only (a request names its adapter as model)
 #   fp8        quantization: fp8 in a copy of the config; the engine and dag steps after it use it
+#   kv8        kv_cache_config.dtype: fp8 in a copy of the config, likewise
 #   tokens     max_num_tokens: MAX_NUM_TOKENS in a copy of the config, likewise (the 8B config has 2,048)
 #   early      late_planning: false in a copy of the config, likewise (the overlap scheduler plans each
 #              step as soon as the one before is read back, as before app/engine/step_clock.py)
@@ -110,6 +111,14 @@ with_key() {  # step key value: a copy of the config with "key: value" added, fo
 }
 
 fp8() { with_key fp8 quantization fp8; }
+
+kv8() {  # a copy of the config whose KV cache is FP8 (E4M3)
+  local dir=/tmp/llm-serve-kv8
+  mkdir -p "$dir"
+  sed 's/^kv_cache_config:$/&\n  dtype: fp8/' "$CONFIG" > "$dir/config.yaml"
+  grep -q "^  dtype: fp8$" "$dir/config.yaml" || { echo "kv8: no kv_cache_config block in $CONFIG"; exit 1; }
+  use_config "$dir"
+}
 early() { with_key early late_planning false; }  # each step planned as soon as the one before is read back
 
 tokens() {  # a copy of the config with MAX_NUM_TOKENS tokens a step

@@ -528,12 +528,12 @@ def test_draft_model_greedy_equals_plain_decoding_in_float32_with_cuda_graphs(ti
     assert_draft_model_greedy(draft_dir, proposals)
 
 
-def test_paged_decode_kernel_windows_and_softcaps_against_a_dense_reference():
+def test_paged_decode_kernel_windows_and_softcaps_against_a_dense_reference(monkeypatch):
     """The Triton decode kernel with sliding windows (one key; within a tile; a window starting mid-tile,
     so whole 128-token tiles before it are skipped; wider than the context) and a softcap, over 16-token
     blocks in shuffled order, against dense float32 attention; in the launch shapes of few programs and
-    of many."""
-    from app.engine.models.triton_attention import MANY_PROGRAMS, launch_shape, paged_decode
+    of many (the threshold moved so that these 16 programs take either)."""
+    from app.engine.models import triton_attention
 
     g = torch.Generator().manual_seed(0)
     lens, block, kv_heads, heads = [1, 15, 16, 127, 128, 129, 300, 515], 16, 2, 8
@@ -545,11 +545,12 @@ def test_paged_decode_kernel_windows_and_softcaps_against_a_dense_reference():
     for head_dim in (64, 96, 256):  # 96 (Phi-3-mini): padded to the kernel's power-of-2 tile
         k_cache, v_cache = (torch.randn(sum(counts), block, kv_heads, head_dim, generator=g).cuda() for _ in "kv")
         q = torch.randn(len(lens), heads, head_dim, generator=g).cuda()
-        for (window, softcap), programs in itertools.product(
+        for (window, softcap), many in itertools.product(
                 [(None, None), (1, None), (16, None), (100, 4.0), (129, None), (1000, None), (None, 4.0)],
-                (1, MANY_PROGRAMS)):
-            out = paged_decode(q, k_cache, v_cache, tables.cuda(), torch.tensor(lens, dtype=torch.int32).cuda(),
-                               0.125, window, softcap, shape=launch_shape(programs, fp8=False))
+                (False, True)):
+            monkeypatch.setattr(triton_attention, "MANY_PROGRAMS", 1 if many else 1 << 30)
+            out = triton_attention.paged_decode(q, k_cache, v_cache, tables.cuda(),
+                                                torch.tensor(lens, dtype=torch.int32).cuda(), 0.125, window, softcap)
             for i, n in enumerate(lens):
                 keys, values = (c[tables[i, :counts[i]].long()].flatten(0, 1)[:n][-(window or n):]
                                 .repeat_interleave(heads // kv_heads, 1) for c in (k_cache, v_cache))
@@ -557,7 +558,7 @@ def test_paged_decode_kernel_windows_and_softcaps_against_a_dense_reference():
                 if softcap:
                     scores = torch.tanh(scores / softcap) * softcap
                 expected = torch.einsum("hn,nhd->hd", scores.softmax(-1), values)
-                assert torch.allclose(out[i], expected, atol=1e-4), (head_dim, window, softcap, n, programs)
+                assert torch.allclose(out[i], expected, atol=1e-4), (head_dim, window, softcap, n, many)
 
 
 def test_windowed_varlen_prefill_against_chunk_by_chunk_prefill():
@@ -695,19 +696,20 @@ def test_fp8_triton_linears_against_the_portable_path(rows, outs, width):
     assert same > 0.999, same  # a division rounded differently may move a tie
 
 
-def test_fp8_kv_cache_triton_write_and_decode_against_the_bfloat16_cache():
+def test_fp8_kv_cache_triton_write_and_decode_against_the_bfloat16_cache(monkeypatch):
     """kv_cache_config.dtype fp8 on the device, with scales 0.5 and 2.0 (powers of two: dividing by
     them is exact however the kernel divides). The fused rotary + KV write stores the bf16 keys and
     values it computes divided by their scale in E4M3, byte for byte what the portable quantize makes
     of the bf16 cache's contents, and leaves k and v in qkv as the cache holds them (q untouched).
-    The decode kernel over that cache, in the launch shapes of few programs and of many: within bf16
+    The decode kernel over that cache, in the launch shapes of few programs and of many (the threshold
+    moved so that these 16 programs take either), with and without a window and a softcap: within bf16
     rounding of dense float32 attention over the dequantized cache, and within FP8's precision of the
     kernel over the bf16 cache (per head, a relative error < 0.12; dense float32 attention over the same
     data gave at most 0.066 on CPU)."""
     from app.engine.models import triton_fused
     from app.engine.models.attention import FP8, dequantize, quantize
     from app.engine.models.layers import RotaryEmbedding
-    from app.engine.models.triton_attention import MANY_PROGRAMS, launch_shape, paged_decode
+    from app.engine.models import triton_attention
 
     g = torch.Generator().manual_seed(0)
     heads, kv_heads, head_dim, block = 8, 2, 64, 16
@@ -741,18 +743,21 @@ def test_fp8_kv_cache_triton_write_and_decode_against_the_bfloat16_cache():
     q = torch.randn(len(lens), heads, head_dim, generator=g).bfloat16().cuda()
     tables, context = tables.cuda(), torch.tensor(lens, dtype=torch.int32).cuda()
     keys, values = dequantize(k8, scales[0], torch.float32), dequantize(v8, scales[1], torch.float32)
-    for programs in (1, MANY_PROGRAMS):
-        out8 = paged_decode(q, k8, v8, tables, context, 0.125, kv_scales=scales,
-                            shape=launch_shape(programs, fp8=True)).float()
-        out16 = paged_decode(q, k16, v16, tables, context, 0.125, shape=launch_shape(programs, fp8=False)).float()
+    for (window, softcap), many in itertools.product([(None, None), (100, 4.0), (129, None)], (False, True)):
+        monkeypatch.setattr(triton_attention, "MANY_PROGRAMS", 1 if many else 1 << 30)
+        out8 = triton_attention.paged_decode(q, k8, v8, tables, context, 0.125, window, softcap,
+                                             kv_scales=scales).float()
+        out16 = triton_attention.paged_decode(q, k16, v16, tables, context, 0.125, window, softcap).float()
         for i, n in enumerate(lens):
-            k_seq, v_seq = (c[tables[i, :counts[i]].long()].flatten(0, 1)[:n].repeat_interleave(heads // kv_heads, 1)
-                            for c in (keys, values))
+            k_seq, v_seq = (c[tables[i, :counts[i]].long()].flatten(0, 1)[:n][-(window or n):]
+                            .repeat_interleave(heads // kv_heads, 1) for c in (keys, values))
             scores = torch.einsum("hd,nhd->hn", q[i].float(), k_seq) * 0.125
+            if softcap:
+                scores = torch.tanh(scores / softcap) * softcap
             expected = torch.einsum("hn,nhd->hd", scores.softmax(-1), v_seq)
-            assert (out8[i] - expected).abs().max() < 3e-2, (n, programs)
+            assert (out8[i] - expected).abs().max() < 3e-2, (n, window, softcap, many)
             relative = (out8[i] - out16[i]).norm(dim=-1) / out16[i].norm(dim=-1)
-            assert relative.max() < 0.12, (n, programs, relative.max())
+            assert relative.max() < 0.12, (n, window, softcap, many, relative.max())
 
 
 @pytest.mark.parametrize("kv_dtype", ["bfloat16", "fp8"])

@@ -56,8 +56,9 @@ def main() -> None:
     events = prof.key_averages()
     busy_ms = sum(e.self_device_time_total for e in events) / args.steps / 1e3
     kernels = sum(e.count for e in events if e.self_device_time_total > 0 and e.device_type.name == "CUDA")
-    print(f"{args.model} batch {args.batch} (linears {args.quantization or 'bf16'}, cache {args.kv_cache_dtype}): step {wall_ms:.3f} ms wall, GPU busy {busy_ms:.3f} ms, "
-          f"{kernels / args.steps:.0f} kernels per step", flush=True)
+    print(f"{args.model} batch {args.batch} (linears {args.quantization or 'bf16'}, cache {args.kv_cache_dtype}): "
+          f"step {wall_ms:.3f} ms wall, GPU busy {busy_ms:.3f} ms, {kernels / args.steps:.0f} kernels per step",
+          flush=True)
     print(events.table(sort_by="self_device_time_total", row_limit=args.rows), flush=True)
 
 

@@ -115,6 +115,7 @@ fp8() { with_key fp8 quantization fp8; }
 kv8() {  # a copy of the config whose KV cache is FP8 (E4M3)
   local dir=/tmp/llm-serve-kv8
   mkdir -p "$dir"
+  grep -q "^  dtype:" "$CONFIG" && { echo "kv8: $CONFIG sets kv_cache_config.dtype already"; exit 1; }
   sed 's/^kv_cache_config:$/&\n  dtype: fp8/' "$CONFIG" > "$dir/config.yaml"
   grep -q "^  dtype: fp8$" "$dir/config.yaml" || { echo "kv8: no kv_cache_config block in $CONFIG"; exit 1; }
   use_config "$dir"

@@ -1,8 +1,8 @@
 """Paged decode attention for CUDA as a Triton kernel: one program per (sequence, KV head) walks
 that sequence's blocks with an online softmax, reading only the blocks it owns, and handles every
-query head of the KV head's group in one tile (GQA). Each iteration reads a tile of TILE_TOKENS
-context tokens, spanning several cache blocks when blocks are small, so more bytes are in flight
-per program (tools/bench/kernels.py measures the choice). Its inputs are tensors only (block
+query head of the KV head's group in one tile (GQA). Each iteration reads a tile of context tokens
+(its size set per launch, below), spanning several cache blocks when blocks are small, so more
+bytes are in flight per program. Its inputs are tensors only (block
 tables, context lengths), so decode steps can be captured in CUDA graphs.
 
 With a sliding window a sequence attends to its last `window` keys (its newest included): the walk
@@ -11,15 +11,16 @@ and positions before it in that tile are masked. Softcapping (Gemma 2) applies t
 to the scaled scores, before the online softmax.
 
 An FP8 cache's tiles are widened to fp16, which holds every E4M3 value exactly and is one
-instruction per pair on Hopper (bf16 takes several): the dots run in fp16, the query scaled by
-1/sqrt(d) before its rounding to fp16 so it keeps its range. Its per-layer scales are applied once
+instruction per pair on Hopper (bf16 takes several): the dots run in fp16, the query multiplied by
+the attention scale before its rounding to fp16 so it keeps its range. Its per-layer scales are applied once
 each: k_scale to the scores, v_scale to the output (sum p * (v8 * s) = s * sum p * v8). The scales are
 read from device memory, as graphs need. (A float32 query keeps float32 dots.)
 
 How a launch is shaped depends on how many programs it has. With thousands (hundreds of sequences),
 every SM already holds several, so smaller tiles waste less on each context's last, partial tile and
 fewer pipeline stages leave room for more programs; with few, each program must keep more bytes in
-flight. tools/bench/kernels.py (`--only decode_fp8`) times the choices.
+flight. Short contexts gain most from small tiles, but a graph is captured before the contexts are
+known, so the number of programs decides. tools/bench/kernels.py (`--only decode`) times the choices.
 """
 from __future__ import annotations
 
@@ -60,7 +61,7 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, k_s
     heads = kv_head * GROUP + g
     q = tl.load(q_ptr + seq * stride_qt + heads[:, None] * stride_qh + d[None, :],
                 mask=(g < GROUP)[:, None] & in_head[None, :], other=0.0)
-    if F16:
+    if F16:  # q becomes fp16, and the tiles below widen to q's dtype
         q = (q.to(tl.float32) * scale).to(tl.float16)
         scale = tl.load(k_scale_ptr)
     elif FP8:

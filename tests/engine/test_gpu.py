@@ -706,10 +706,9 @@ def test_fp8_kv_cache_triton_write_and_decode_against_the_bfloat16_cache(monkeyp
     rounding of dense float32 attention over the dequantized cache, and within FP8's precision of the
     kernel over the bf16 cache (per head, a relative error < 0.12; dense float32 attention over the same
     data gave at most 0.066 on CPU)."""
-    from app.engine.models import triton_fused
+    from app.engine.models import triton_attention, triton_fused
     from app.engine.models.attention import FP8, dequantize, quantize
     from app.engine.models.layers import RotaryEmbedding
-    from app.engine.models import triton_attention
 
     g = torch.Generator().manual_seed(0)
     heads, kv_heads, head_dim, block = 8, 2, 64, 16

@@ -1,7 +1,7 @@
 """The engine's CUDA kernels alone, on the device: checks each against a reference and times the
-choices made in app/engine/models (decode tile, fused add + RMSNorm, varlen prefill against one
-SDPA per chunk, the grouped-GEMM mixture of experts against running its experts one by one). Prints
-one table; `--json` writes every row.
+choices made in app/engine/models (decode launch shapes over bf16 and FP8 caches, fused add +
+RMSNorm, varlen prefill against one SDPA per chunk, the grouped-GEMM mixture of experts against
+running its experts one by one). Prints one table; `--json` writes every row.
 
     python -m tools.bench.kernels --json kernels.json [--only moe]
 """

@@ -120,6 +120,7 @@ kv8() {  # a copy of the config whose KV cache is FP8 (E4M3)
   grep -q "^  dtype: fp8$" "$dir/config.yaml" || { echo "kv8: no kv_cache_config block in $CONFIG"; exit 1; }
   use_config "$dir"
 }
+
 early() { with_key early late_planning false; }  # each step planned as soon as the one before is read back
 
 tokens() {  # a copy of the config with MAX_NUM_TOKENS tokens a step

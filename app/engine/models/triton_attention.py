@@ -2,8 +2,8 @@
 that sequence's blocks with an online softmax, reading only the blocks it owns, and handles every
 query head of the KV head's group in one tile (GQA). Each iteration reads a tile of context tokens
 (its size set per launch, below), spanning several cache blocks when blocks are small, so more
-bytes are in flight per program. Its inputs are tensors only (block
-tables, context lengths), so decode steps can be captured in CUDA graphs.
+bytes are in flight per program. Its inputs are tensors only (block tables, context lengths), so
+decode steps can be captured in CUDA graphs.
 
 With a sliding window a sequence attends to its last `window` keys (its newest included): the walk
 starts at the tile holding the first of them, so blocks wholly before the window are never read,
@@ -12,9 +12,9 @@ to the scaled scores, before the online softmax.
 
 An FP8 cache's tiles are widened to fp16, which holds every E4M3 value exactly and is one
 instruction per pair on Hopper (bf16 takes several): the dots run in fp16, the query multiplied by
-the attention scale before its rounding to fp16 so it keeps its range. Its per-layer scales are applied once
-each: k_scale to the scores, v_scale to the output (sum p * (v8 * s) = s * sum p * v8). The scales are
-read from device memory, as graphs need. (A float32 query keeps float32 dots.)
+the attention scale before its rounding to fp16 so it keeps its range. The per-layer scales are
+applied once each: k_scale to the scores, v_scale to the output (sum p * (v8 * s) = s * sum p * v8).
+They are read from device memory, as graphs need. (A float32 query keeps float32 dots.)
 
 How a launch is shaped depends on how many programs it has. With thousands (hundreds of sequences),
 every SM already holds several, so smaller tiles waste less on each context's last, partial tile and

@@ -528,6 +528,29 @@ def test_draft_model_greedy_equals_plain_decoding_in_float32_with_cuda_graphs(ti
     assert_draft_model_greedy(draft_dir, proposals)
 
 
+def _shuffled_tables(lens: list[int], block: int, g: torch.Generator) -> tuple[torch.Tensor, list[int]]:
+    """Block tables (int32, zero-padded) for contexts of `lens` tokens over blocks of `block`, the
+    blocks in shuffled order; and each sequence's block count."""
+    counts = [-(-n // block) for n in lens]
+    order = torch.randperm(sum(counts), generator=g).tolist()
+    tables = torch.zeros(len(lens), max(counts), dtype=torch.int32)
+    for i, n in enumerate(counts):
+        tables[i, :n] = torch.tensor(order[sum(counts[:i]):sum(counts[:i]) + n])
+    return tables, counts
+
+
+def _dense_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, blocks: torch.Tensor, n: int,
+                  scale: float, window: int | None, softcap: float | None) -> torch.Tensor:
+    """One sequence's decode attention, dense: q [H, D] over the first n keys of its `blocks` (the last
+    `window` of them where one is set), each KV head repeated for its query heads."""
+    keys, values = (c[blocks.long()].flatten(0, 1)[:n][-(window or n):].repeat_interleave(q.shape[0] // c.shape[2], 1)
+                    for c in (k_cache, v_cache))
+    scores = torch.einsum("hd,nhd->hn", q, keys) * scale
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
+    return torch.einsum("hn,nhd->hd", scores.softmax(-1), values)
+
+
 def test_paged_decode_kernel_windows_and_softcaps_against_a_dense_reference(monkeypatch):
     """The Triton decode kernel with sliding windows (one key; within a tile; a window starting mid-tile,
     so whole 128-token tiles before it are skipped; wider than the context) and a softcap, over 16-token
@@ -537,11 +560,7 @@ def test_paged_decode_kernel_windows_and_softcaps_against_a_dense_reference(monk
 
     g = torch.Generator().manual_seed(0)
     lens, block, kv_heads, heads = [1, 15, 16, 127, 128, 129, 300, 515], 16, 2, 8
-    counts = [-(-n // block) for n in lens]
-    order = torch.randperm(sum(counts), generator=g).tolist()
-    tables = torch.zeros(len(lens), max(counts), dtype=torch.int32)
-    for i, n in enumerate(counts):
-        tables[i, :n] = torch.tensor(order[sum(counts[:i]):sum(counts[:i]) + n])
+    tables, counts = _shuffled_tables(lens, block, g)
     for head_dim in (64, 96, 256):  # 96 (Phi-3-mini): padded to the kernel's power-of-2 tile
         k_cache, v_cache = (torch.randn(sum(counts), block, kv_heads, head_dim, generator=g).cuda() for _ in "kv")
         q = torch.randn(len(lens), heads, head_dim, generator=g).cuda()
@@ -552,12 +571,7 @@ def test_paged_decode_kernel_windows_and_softcaps_against_a_dense_reference(monk
             out = triton_attention.paged_decode(q, k_cache, v_cache, tables.cuda(),
                                                 torch.tensor(lens, dtype=torch.int32).cuda(), 0.125, window, softcap)
             for i, n in enumerate(lens):
-                keys, values = (c[tables[i, :counts[i]].long()].flatten(0, 1)[:n][-(window or n):]
-                                .repeat_interleave(heads // kv_heads, 1) for c in (k_cache, v_cache))
-                scores = torch.einsum("hd,nhd->hn", q[i], keys) * 0.125
-                if softcap:
-                    scores = torch.tanh(scores / softcap) * softcap
-                expected = torch.einsum("hn,nhd->hd", scores.softmax(-1), values)
+                expected = _dense_decode(q[i], k_cache, v_cache, tables[i, :counts[i]], n, 0.125, window, softcap)
                 assert torch.allclose(out[i], expected, atol=1e-4), (head_dim, window, softcap, n, many)
 
 
@@ -732,11 +746,7 @@ def test_fp8_kv_cache_triton_write_and_decode_against_the_bfloat16_cache(monkeyp
         assert torch.equal(stored, dequantize(cache8, scale, torch.bfloat16).flatten(0, 1)[slots])
 
     lens = [1, 15, 16, 127, 128, 129, 300, 515]
-    counts = [-(-n // block) for n in lens]
-    order = torch.randperm(sum(counts), generator=g).tolist()
-    tables = torch.zeros(len(lens), max(counts), dtype=torch.int32)
-    for i, n in enumerate(counts):
-        tables[i, :n] = torch.tensor(order[sum(counts[:i]):sum(counts[:i]) + n])
+    tables, counts = _shuffled_tables(lens, block, g)
     k16, v16 = (torch.randn(sum(counts), block, kv_heads, head_dim, generator=g).bfloat16().cuda() for _ in "kv")
     k8, v8 = quantize(k16, scales[0]), quantize(v16, scales[1])
     q = torch.randn(len(lens), heads, head_dim, generator=g).bfloat16().cuda()
@@ -748,12 +758,7 @@ def test_fp8_kv_cache_triton_write_and_decode_against_the_bfloat16_cache(monkeyp
                                              kv_scales=scales).float()
         out16 = triton_attention.paged_decode(q, k16, v16, tables, context, 0.125, window, softcap).float()
         for i, n in enumerate(lens):
-            k_seq, v_seq = (c[tables[i, :counts[i]].long()].flatten(0, 1)[:n][-(window or n):]
-                            .repeat_interleave(heads // kv_heads, 1) for c in (keys, values))
-            scores = torch.einsum("hd,nhd->hn", q[i].float(), k_seq) * 0.125
-            if softcap:
-                scores = torch.tanh(scores / softcap) * softcap
-            expected = torch.einsum("hn,nhd->hd", scores.softmax(-1), v_seq)
+            expected = _dense_decode(q[i].float(), keys, values, tables[i, :counts[i]], n, 0.125, window, softcap)
             assert (out8[i] - expected).abs().max() < 3e-2, (n, window, softcap, many)
             relative = (out8[i] - out16[i]).norm(dim=-1) / out16[i].norm(dim=-1)
             assert relative.max() < 0.12, (n, window, softcap, many, relative.max())

@@ -110,25 +110,26 @@ with_key() {  # step key value: a copy of the config with "key: value" added, fo
   use_config "$dir"
 }
 
+with_edit() {  # step sed-expression line: a copy of the config edited by the expression, which must then hold the line
+  local dir=/tmp/llm-serve-$1
+  mkdir -p "$dir"
+  sed "$2" "$CONFIG" > "$dir/config.yaml"
+  grep -qxF -- "$3" "$dir/config.yaml" || { echo "$1: $CONFIG has no place for '$3'"; exit 1; }
+  use_config "$dir"
+}
+
 fp8() { with_key fp8 quantization fp8; }
 
 kv8() {  # a copy of the config whose KV cache is FP8 (E4M3)
-  local dir=/tmp/llm-serve-kv8
-  mkdir -p "$dir"
   grep -q "^  dtype:" "$CONFIG" && { echo "kv8: $CONFIG sets kv_cache_config.dtype already"; exit 1; }
-  sed 's/^kv_cache_config:$/&\n  dtype: fp8/' "$CONFIG" > "$dir/config.yaml"
-  grep -q "^  dtype: fp8$" "$dir/config.yaml" || { echo "kv8: no kv_cache_config block in $CONFIG"; exit 1; }
-  use_config "$dir"
+  with_edit kv8 's/^kv_cache_config:$/&\n  dtype: fp8/' "  dtype: fp8"
 }
 
 early() { with_key early late_planning false; }  # each step planned as soon as the one before is read back
 
 tokens() {  # a copy of the config with MAX_NUM_TOKENS tokens a step
-  local dir=/tmp/llm-serve-tokens-${MAX_NUM_TOKENS:?tokens: set MAX_NUM_TOKENS}
-  mkdir -p "$dir"
-  sed "s/^max_num_tokens:.*/max_num_tokens: $MAX_NUM_TOKENS/" "$CONFIG" > "$dir/config.yaml"
-  grep -q "^max_num_tokens: $MAX_NUM_TOKENS$" "$dir/config.yaml" || { echo "tokens: no max_num_tokens in $CONFIG"; exit 1; }
-  use_config "$dir"
+  with_edit "tokens-${MAX_NUM_TOKENS:?tokens: set MAX_NUM_TOKENS}" "s/^max_num_tokens:.*/max_num_tokens: $MAX_NUM_TOKENS/" \
+      "max_num_tokens: $MAX_NUM_TOKENS"
 }
 
 tokenizer() {

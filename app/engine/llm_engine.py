@@ -41,21 +41,27 @@ class Request:
     aborted: bool = False
     prompt_sent: bool = False  # its prompt logprobs and context logits went out (with its first output)
 
+    def __post_init__(self):
+        p = self.params
+        # Sampling that looks at earlier token values (penalties, bad words) or beams need every
+        # token on the host; so do the raw logits rows of requests that return them (simplest).
+        self._may_overlap = (self.beam is None and not p.needs_penalties and not p.bad_token_ids
+                             and not p.returns_logits)
+
     @property
     def finished(self) -> bool:
         if self.beam is not None:
             return self.beam.done or self.aborted
-        return all(s.finish_reason is not None for s in self.seqs)
+        for seq in self.seqs:  # a loop, not all(): this runs for every request at every step
+            if seq.finish_reason is None:
+                return False
+        return True
 
     @property
     def overlappable(self) -> bool:
-        """Whether its steps can be queued before the last one is read back: sampling that looks
-        at earlier token values (penalties, bad words) or beams need every token on the host;
-        prompt logprobs are read back with the step that computes them, and so are the raw logits
-        rows of requests that return them (simplest: their steps never overlap)."""
-        p = self.params
-        return (self.beam is None and not p.needs_penalties and not p.bad_token_ids and not p.returns_logits
-                and not self.seqs[0].needs_prompt_rows)
+        """Whether its steps can be queued before the last one is read back (see __post_init__);
+        prompt logprobs are read back with the step that computes them."""
+        return self._may_overlap and not self.seqs[0].needs_prompt_rows
 
 
 class LLMEngine:
@@ -323,13 +329,19 @@ class LLMEngine:
     def _begin(self, plan) -> None:
         """The step's counters, before it runs."""
         now = time.time_ns()
-        self._stepping.update(item.seq.request_id for item in plan.scheduled)
+        context_tokens = generation_requests = 0
         for item in plan.scheduled:
-            item.seq.first_scheduled_ns = item.seq.first_scheduled_ns or now
+            seq = item.seq
+            self._stepping.add(seq.request_id)
+            seq.first_scheduled_ns = seq.first_scheduled_ns or now
+            if item.is_decode:
+                generation_requests += 1
+            else:
+                context_tokens += item.num_tokens
         self.num_steps += 1
-        self._last_context_tokens = sum(s.num_tokens for s in plan.scheduled if not s.is_decode)
-        self._last_generation_requests = sum(1 for s in plan.scheduled if s.is_decode)
-        self._last_context_requests = len(plan.scheduled) - self._last_generation_requests
+        self._last_context_tokens = context_tokens
+        self._last_generation_requests = generation_requests
+        self._last_context_requests = len(plan.scheduled) - generation_requests
 
     def _finish(self, launched: LaunchedStep) -> list[RequestOutput]:
         """Read an overlapped step back."""
@@ -340,13 +352,14 @@ class LLMEngine:
         outputs = []
         for request in {seq.request_id: self.requests[seq.request_id] for seq in seqs}.values():
             output = self._output(request)
-            if output is not None:
-                if output.finished and any(seq.left_its_guide for seq in request.seqs):
+            if output is None:  # (a finished request always has an output: its last)
+                continue
+            outputs.append(output)
+            if output.finished:
+                if any(seq.left_its_guide for seq in request.seqs):
                     output.error = InvalidRequestError(request.params.guide.field, (
                         "left no token to draw: every token its guide allowed next was also ruled out "
                         "(by bad words or logit_bias)"))
-                outputs.append(output)
-            if request.finished:
                 del self.requests[request.request_id]
         return outputs
 
@@ -354,12 +367,13 @@ class LLMEngine:
     def _output(self, request: Request) -> RequestOutput | None:
         if request.beam is not None:
             return self._beam_output(request)
-        if not request.seqs[0].prompt_done and not request.finished:
+        finished = request.finished
+        if not finished and not request.seqs[0].prompt_done:
             return None  # the prompt's logprobs and logits come with the first output: the other outputs wait
         completions = []
         for seq in request.seqs:
             upto = seq.num_emittable()
-            if upto == seq.num_emitted and not (seq.finish_reason and request.finished):
+            if upto == seq.num_emitted and not (seq.finish_reason and finished):
                 continue
             new = slice(seq.num_prompt_tokens + seq.num_emitted, seq.num_prompt_tokens + upto)
             completions.append(CompletionOutput(
@@ -374,7 +388,6 @@ class LLMEngine:
             seq.num_emitted = upto
         if not completions:
             return None
-        finished = request.finished
         return self._with_prompt(request, RequestOutput(request.request_id, completions, finished,
                                                         self._metrics(request) if finished else None))
 

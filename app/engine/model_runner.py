@@ -2,6 +2,7 @@
 and samples the next tokens from the logits."""
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -242,46 +243,64 @@ class ModelRunner:
         a chunk's prompt rows come before its sampling row, the prompt's last, whose logits are
         the first output token's."""
         bs = self.block_size
-        decodes = [s for s in scheduled if s.is_decode]
-        prefills = [s for s in scheduled if not s.is_decode]
+        decodes, prefills = [], []
+        for item in scheduled:
+            (decodes if item.is_decode else prefills).append(item)
         tokens, positions, slots, sample_seqs, logits_indices = [], [], [], [], []
-        pending = []  # (input row, row of the previous step's tokens) for tokens still on the device
+        pending: list[int] = []  # input rows whose token is still on the device, and the rows of
+        pending_from: list[int] = []  # the previous step's tokens they take
         lora_rows: dict[str, list[int]] = {}
         chunks, prompt = [], PromptRows()
-        for item in decodes + prefills:
-            seq, start = item.seq, item.start
-            end = start + item.num_tokens
-            rows = range(len(tokens), len(tokens) + item.num_tokens)
+        for i, item in enumerate(decodes + prefills):
+            seq, start, n = item.seq, item.start, item.num_tokens
+            end, first = start + n, len(tokens)
+            if n == 1:  # most rows of a busy step (a plain decode): the general case below, unrolled
+                tokens.append(seq.token_ids[start])
+                positions.append(start)
+                slots.append(seq.block_table[start // bs] * bs + start % bs)
+            else:
+                tokens.extend(seq.token_ids[start:end - len(item.draft)] + item.draft)
+                positions.extend(range(start, end))
+                slots.extend(seq.block_table[p // bs] * bs + p % bs for p in range(start, end))
             if seq.adapter_id is not None:
-                lora_rows.setdefault(seq.adapter_id, []).extend(rows)
-            if not item.is_decode:
-                chunks.append((len(tokens), item.num_tokens, end, seq.block_table[:-(-end // bs)]))
+                lora_rows.setdefault(seq.adapter_id, []).extend(range(first, first + n))
+            if i >= len(decodes):  # a prefill chunk
+                chunks.append((first, n, end, seq.block_table[:-(-end // bs)]))
             if seq.needs_prompt_rows:  # rows not scored yet (a recompute after preemption skips those that were)
                 for p in range(max(start, len(seq.prompt_logprobs)), min(end, seq.num_prompt_tokens - 1)):
                     prompt.seqs.append(seq)
                     prompt.targets.append(seq.token_ids[p + 1])
                     prompt.at.append(len(logits_indices))
-                    logits_indices.append(rows[p - start])
+                    logits_indices.append(first + p - start)
             if item.draft:  # every row's token is checked
-                sample_seqs.extend([seq] * len(rows))
-                logits_indices.extend(rows)
-            elif item.samples:
+                sample_seqs.extend([seq] * n)
+                logits_indices.extend(range(first, first + n))
+            elif end == seq.num_tokens:  # the step reaches its last token (ScheduledSeq.samples): a new one
                 sample_seqs.append(seq)
-                logits_indices.append(rows[-1])
+                logits_indices.append(first + n - 1)
             if seq.pending_row is not None and end == seq.num_tokens:
-                pending.append((rows[-1], seq.pending_row))
-            tokens.extend(seq.token_ids[start:end - len(item.draft)] + item.draft)
-            positions.extend(range(start, end))
-            slots.extend(seq.block_table[p // bs] * bs + p % bs for p in range(start, end))
+                pending.append(first + n - 1)
+                pending_from.append(seq.pending_row)
         decode_tables = decode_lens = None
-        if decodes:
-            width = max(len(s.seq.block_table) for s in decodes)
-            decode_tables = torch.tensor([s.seq.block_table + [0] * (width - len(s.seq.block_table))
-                                          for s in decodes for _ in range(s.num_tokens)], dtype=torch.int32)
-            decode_lens = torch.tensor([p + 1 for s in decodes for p in range(s.start, s.start + s.num_tokens)],
-                                       dtype=torch.int32)
-        num_decode_rows = sum(s.num_tokens for s in decodes)
-        inputs = StepInputs(torch.tensor(tokens), torch.tensor(positions), torch.tensor(slots), num_decode_rows,
-                            decode_tables, decode_lens, chunks, torch.tensor(logits_indices, dtype=torch.long),
-                            lora_rows, torch.tensor(pending, dtype=torch.long).T if pending else None)
+        tables = [s.seq.block_table for s in decodes for _ in range(s.num_tokens)]  # a row each
+        if tables:  # the decode rows come first: their context lengths are their positions + 1
+            decode_tables = torch.from_numpy(_padded(tables))
+            decode_lens = torch.from_numpy(np.asarray(positions[:len(tables)], dtype=np.int32) + 1)
+        inputs = StepInputs(_longs(tokens), _longs(positions), _longs(slots), len(tables),
+                            decode_tables, decode_lens, chunks, _longs(logits_indices),
+                            lora_rows, _longs(pending + pending_from).view(2, -1) if pending else None)
         return inputs, sample_seqs, prompt
+
+
+def _longs(values: list[int]) -> torch.Tensor:
+    """An int64 tensor of a list (numpy reads a list of ints several times faster than torch.tensor)."""
+    return torch.from_numpy(np.fromiter(values, np.int64, len(values)))
+
+
+def _padded(rows: list[list[int]]) -> np.ndarray:
+    """The rows as one int32 array, each padded with 0 to the longest."""
+    lengths = np.fromiter(map(len, rows), np.int64, len(rows))
+    packed = np.zeros((len(rows), int(lengths.max())), np.int32)
+    packed[np.arange(packed.shape[1]) < lengths[:, None]] = np.fromiter(
+        itertools.chain.from_iterable(rows), np.int32, int(lengths.sum()))
+    return packed

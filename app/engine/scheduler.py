@@ -127,10 +127,10 @@ class Scheduler:
         live = {row: seq for row, seq in enumerate(rows) if not seq.is_finished or seq.pending_row == row}
         drafted = self._take_guesses(plan, live, sampled) if sampled is not None else set()
         if sampled is not None:
+            tokens, logprobs, tops, logits = sampled.token_ids, sampled.logprobs, sampled.top_logprobs, sampled.logits
             for row, seq in live.items():
                 if seq.beam_group is None and seq not in drafted:  # beams take theirs as they advance, below
-                    seq.resolve_pending(sampled.token_ids[row], sampled.logprobs[row],  # (or appends)
-                                        sampled.top_logprobs.get(row), sampled.logits.get(row))
+                    seq.resolve_pending(tokens[row], logprobs[row], tops.get(row), logits.get(row))  # (or appends)
         # Every computed token is known by now (placeholders lie past them). Hashed before any
         # sequence below goes, so that a finished one leaves its full blocks cached.
         for item in plan.scheduled:
@@ -160,6 +160,8 @@ class Scheduler:
         row's token follows them (NGramProposer.confirmed). Each token goes through the stop checks
         as it is appended; the cache holds the rows whose input was right. A seeded generator goes
         back to its state after the last row taken. Returns the sequences (their rows are done with)."""
+        if not any(item.draft for item in plan.scheduled):
+            return set()
         first_row = {}
         for row, seq in live.items():
             first_row.setdefault(seq, row)

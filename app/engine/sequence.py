@@ -200,12 +200,13 @@ class Sequence:
             # The guide is complete (its end id accepted): nothing may follow, ignore_eos or not.
             self._truncate(1)
             return self._finish(FinishReason.STOP, last)
-        if self.num_output_tokens >= p.min_tokens:
+        n_out = self.num_output_tokens
+        if p.stop_token_ids and n_out >= p.min_tokens:
             for stop in p.stop_token_ids:
-                if len(stop) <= self.num_output_tokens and self.token_ids[-len(stop):] == stop:
+                if len(stop) <= n_out and self.token_ids[-len(stop):] == stop:
                     self._truncate(len(stop))
                     return self._finish(FinishReason.STOP, stop)
-        if self.num_output_tokens >= p.max_tokens:
+        if n_out >= p.max_tokens:
             return self._finish(FinishReason.LENGTH, None)
         return None
 

@@ -155,8 +155,8 @@ class ServiceConfig(_Strict):
     disable_overlap_scheduler: bool = Field(EngineConfig.disable_overlap_scheduler, description="read each step "
                                             "back before queuing the next (overlap is on by default on CUDA)")
     late_planning: bool = Field(EngineConfig.late_planning, description="backend torch, with overlap: plan each step just "
-                                "before the one computing ends, so requests arriving meanwhile make it; false: "
-                                "as soon as the step before is read back")
+                                "before the one computing ends, so requests arriving meanwhile make it (off by "
+                                "default: each step is planned as soon as the step before is read back)")
     seed: int = EngineConfig.seed
     max_tokens_default: int | None = Field(None, ge=1, description="max_tokens when a request names none; none: up "
                                            "to the end of the context, as OpenAI's API does (max_output_len caps it; "

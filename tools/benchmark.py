@@ -45,7 +45,7 @@ from tools.bench.workload import fresh_prompts, run_seed, synthetic
 def engine_command(args) -> dict:
     config = EngineConfig(model=args.model, dtype=args.dtype, device=args.device, load_format=args.load_format,
                           cuda_graphs=not args.no_cuda_graphs, disable_overlap_scheduler=args.disable_overlap_scheduler,
-                          late_planning=not args.no_late_planning,
+                          late_planning=args.late_planning,
                           piecewise_graph_max_tokens=args.piecewise_graph_max_tokens,
                           max_batch_size=args.max_batch_size,
                           max_num_tokens=args.max_num_tokens, scheduler_policy=args.policy,
@@ -261,8 +261,8 @@ def main(argv=None) -> None:
                    help="CUDA: steps with prefill chunks up to this many tokens replay piecewise graphs; 0: op by op")
     e.add_argument("--disable-overlap-scheduler", action="store_true",
                    help="CUDA: read each step back before scheduling the next")
-    e.add_argument("--no-late-planning", action="store_true",
-                   help="with overlap: plan each step as soon as the one before is read back")
+    e.add_argument("--late-planning", action="store_true",
+                   help="with overlap: plan each step just before the one computing ends (late_planning)")
     e.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                    help="dummy: random weights from the model's config.json (e.g. configs/shapes/llama-3.1-8b)")
     e.add_argument("--num-requests", type=int, default=16)

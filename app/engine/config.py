@@ -117,8 +117,10 @@ class EngineConfig:
     disable_overlap_scheduler: bool = False
     # With overlap: the serving loop goes on taking requests until just before the step computing ends,
     # then plans the next one, so a request that arrives meanwhile makes the next step, not the one
-    # after (app/engine/step_clock.py). False: plan each step as soon as the one before is read back.
-    late_planning: bool = True
+    # after (app/engine/step_clock.py). Off by default: where the host is the bound (FP8 at 256
+    # streams, H200) a late plan idles the device, 14-19% of tok/s through Serve, and no TTFT gain
+    # was measured (docs/PERFORMANCE.md, "The engine's host work at FP8 speed").
+    late_planning: bool = False
     load_format: str = "auto"  # "dummy": random weights from config.json alone (speed runs without downloads)
     # "fp8": the decoder layers' linears in FP8 E4M3 (per-channel weight scales, per-token activation
     # scales, torch._scaled_mm), quantized from the 16-bit weights at load (fast FP8 matmuls: Hopper on).

@@ -71,7 +71,7 @@ def main() -> None:
     parser.add_argument("--max-num-tokens", type=int, default=8192)
     parser.add_argument("--quantization", default=None)
     parser.add_argument("--kv-cache-dtype", default="auto")
-    parser.add_argument("--no-late-planning", action="store_true")
+    parser.add_argument("--late-planning", action="store_true")
     parser.add_argument("--json")
     args = parser.parse_args()
     spent: dict[str, float] = defaultdict(float)
@@ -82,7 +82,7 @@ def main() -> None:
         sys.setswitchinterval(args.switch_interval)
     engine = LLMEngine(EngineConfig(model=args.model, device=args.device, dtype=args.dtype, load_format="dummy",
                                     max_batch_size=args.concurrency, max_num_tokens=args.max_num_tokens,
-                                    quantization=args.quantization, late_planning=not args.no_late_planning,
+                                    quantization=args.quantization, late_planning=args.late_planning,
                                     kv_cache_config={"dtype": args.kv_cache_dtype}))
     wl = synthetic(args.num_requests, "128", 128, engine.limits.vocab_size, 0, True, args.concurrency)
     engine.generate([[100] * 16], SamplingParams(max_tokens=4, temperature=0.0))  # warm-up, on no prompt's tokens

@@ -24,8 +24,8 @@
 #   fp8        quantization: fp8 in a copy of the config; the engine and dag steps after it use it
 #   kv8        kv_cache_config.dtype: fp8 in a copy of the config, likewise
 #   tokens     max_num_tokens: MAX_NUM_TOKENS in a copy of the config, likewise (the 8B config has 2,048)
-#   early      late_planning: false in a copy of the config, likewise (the overlap scheduler plans each
-#              step as soon as the one before is read back, as before app/engine/step_clock.py)
+#   late       late_planning: true in a copy of the config, likewise (the overlap scheduler plans each
+#              step just before the one computing ends, app/engine/step_clock.py; off by default)
 #   engine     the engine alone on the same workloads, in a process of its own (no server running)
 #   dag        serve run, then the load generator over HTTP on both routes, in the order ROUTES names
 #              (default "triton openai"); stops the server after.
@@ -125,7 +125,7 @@ kv8() {  # a copy of the config whose KV cache is FP8 (E4M3)
   with_edit kv8 's/^kv_cache_config:$/&\n  dtype: fp8/' "  dtype: fp8"
 }
 
-early() { with_key early late_planning false; }  # each step planned as soon as the one before is read back
+late() { with_key late late_planning true; }  # each step planned just before the one computing ends
 
 tokens() {  # a copy of the config with MAX_NUM_TOKENS tokens a step
   with_edit "tokens-${MAX_NUM_TOKENS:?tokens: set MAX_NUM_TOKENS}" "s/^max_num_tokens:.*/max_num_tokens: $MAX_NUM_TOKENS/" \
@@ -170,8 +170,15 @@ profile() {  # seconds: py-spy and top on the replicas and the proxy while the l
   wait "${jobs[@]}"
 }
 
+keep_earlier() {  # an earlier dag step's files (this call's or a warm machine's) move to earlier-<n>/
+  compgen -G "$out/dag-*" > /dev/null || return 0
+  local n=1; while [[ -e $out/earlier-$n ]]; do n=$((n + 1)); done
+  mkdir "$out/earlier-$n" && mv "$out"/dag-* "$out/earlier-$n/" && echo "dag: the earlier dag files are in earlier-$n/"
+}
+
 dag() {
   local ready=0
+  keep_earlier
   # Without the shape's tokenizer every Tokenizer replica fails to start and Serve retries until the
   # wait below runs out: a fresh machine needs the tokenizer step in this call or an earlier one.
   [[ -f $SHAPE/tokenizer.json ]] || { echo "dag: no $SHAPE/tokenizer.json (run the tokenizer step)"; exit 1; }

@@ -2,8 +2,8 @@
 
 Loop (one thread, the only one touching LLMEngine's state):
   1. apply queued commands (add, abort, add adapter) in arrival order;
-  2. if nothing is in flight, block until a command arrives; if a step is, keep taking commands until
-     just before it ends (app/engine/step_clock.py);
+  2. if nothing is in flight, block until a command arrives; if a step is and late planning is on
+     (`late_planning: true`), keep taking commands until just before it ends (app/engine/step_clock.py);
   3. run one step;
   4. publish a stats snapshot (when idle, else at most every STATS_INTERVAL_S): other threads read
      only that, never the engine's live structures (iterating them mid-step raised at random);

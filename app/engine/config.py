@@ -117,9 +117,9 @@ class EngineConfig:
     disable_overlap_scheduler: bool = False
     # With overlap: the serving loop goes on taking requests until just before the step computing ends,
     # then plans the next one, so a request that arrives meanwhile makes the next step, not the one
-    # after (app/engine/step_clock.py). Off by default: where the host is the bound (FP8 at 256
-    # streams, H200) a late plan idles the device, 14-19% of tok/s through Serve, and no TTFT gain
-    # was measured (docs/PERFORMANCE.md, "The engine's host work at FP8 speed").
+    # after (app/engine/step_clock.py). Off by default: with FP8 at 256 streams (H200), where the
+    # host's work is near the device's step, Serve delivered 12-16% less with it and a higher TTFT
+    # (docs/PERFORMANCE.md, "The engine's host work at FP8 speed").
     late_planning: bool = False
     load_format: str = "auto"  # "dummy": random weights from config.json alone (speed runs without downloads)
     # "fp8": the decoder layers' linears in FP8 E4M3 (per-channel weight scales, per-token activation

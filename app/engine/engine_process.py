@@ -7,8 +7,8 @@ The replica's side sends commands down a pipe and reads one message per step car
 request's outputs, which a reader thread (blocked in recv, without the GIL) hands to the streams.
 
 Child loop:
-  1. apply queued commands (add, abort), blocking while nothing is in flight, and while a step is in
-     flight until just before it ends (app/engine/step_clock.py); an adapter to add goes to a loader
+  1. apply queued commands (add, abort), blocking while nothing is in flight, and with late planning
+     (`late_planning: true`) while a step is in flight until just before it ends (app/engine/step_clock.py); an adapter to add goes to a loader
      thread (reading, checking, folding it takes hundreds of ms on the 8B shape);
   2. register the adapters the loader has prepared, in the order they were asked for;
   3. run one step;

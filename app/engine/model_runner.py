@@ -275,7 +275,7 @@ class ModelRunner:
             if item.draft:  # every row's token is checked
                 sample_seqs.extend([seq] * n)
                 logits_indices.extend(range(first, first + n))
-            elif end == seq.num_tokens:  # the step reaches its last token (ScheduledSeq.samples): a new one
+            elif item.samples:
                 sample_seqs.append(seq)
                 logits_indices.append(first + n - 1)
             if seq.pending_row is not None and end == seq.num_tokens:

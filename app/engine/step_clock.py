@@ -3,7 +3,9 @@
 Under the overlap scheduler step k + 1 is planned and queued while step k computes. Planned as soon
 as step k - 1 is read back, it misses every request that arrives while step k computes: those wait
 for step k + 2, a whole step more (about 50 ms for a 2,048-token step of the 8B shape). Planned just
-before step k ends, it takes them, and the device still never waits for the host.
+before step k ends, it takes them, and the device waits for the host only where the host's work
+is near the device's step (FP8 at 256 streams, where it cost through Serve: off by default,
+EngineConfig.late_planning).
 
 The clock learns how long the device takes for a step of a given size (the time between two steps'
 ends, for steps queued while the one before was still computing), and how much of a lead the host

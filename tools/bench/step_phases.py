@@ -11,7 +11,7 @@ close to `wall`, the device waited for the host.
 
     python -m tools.bench.step_phases --model configs/shapes/llama-3.1-8b --rounds 2
     python -m tools.bench.step_phases --model configs/shapes/llama-3.1-8b --plain --num-requests 1024 \
-        --concurrency 512 --quantization fp8 --kv-cache-dtype fp8
+        --concurrency 512 --max-num-tokens 8192 --quantization fp8 --kv-cache-dtype fp8
 """
 from __future__ import annotations
 
@@ -68,7 +68,7 @@ def main() -> None:
     parser.add_argument("--switch-interval", type=float, default=None,
                         help="the interpreter's GIL switch interval in seconds (default: Python's, 0.005)")
     parser.add_argument("--plain", action="store_true", help="the plain workload alone, no guided runs")
-    parser.add_argument("--max-num-tokens", type=int, default=8192)
+    parser.add_argument("--max-num-tokens", type=int, default=EngineConfig.max_num_tokens)
     parser.add_argument("--quantization", default=None)
     parser.add_argument("--kv-cache-dtype", default="auto")
     parser.add_argument("--late-planning", action="store_true")

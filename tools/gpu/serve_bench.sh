@@ -171,9 +171,11 @@ profile() {  # seconds: py-spy and top on the replicas and the proxy while the l
 }
 
 keep_earlier() {  # an earlier dag step's files (this call's or a warm machine's) move to earlier-<n>/
-  compgen -G "$out/dag-*" > /dev/null || return 0
-  local n=1; while [[ -e $out/earlier-$n ]]; do n=$((n + 1)); done
-  mkdir "$out/earlier-$n" && mv "$out"/dag-* "$out/earlier-$n/" && echo "dag: the earlier dag files are in earlier-$n/"
+  local f files=() n=1
+  for f in "$out"/dag-* "$out"/serve.log "$out"/pyspy-* "$out"/top*.txt; do [[ -e $f ]] && files+=("$f"); done
+  (( ${#files[@]} )) || return 0
+  while [[ -e $out/earlier-$n ]]; do n=$((n + 1)); done
+  mkdir "$out/earlier-$n" && mv "${files[@]}" "$out/earlier-$n/" && echo "dag: the earlier dag step's files are in earlier-$n/"
 }
 
 dag() {

@@ -8,8 +8,9 @@ request's outputs, which a reader thread (blocked in recv, without the GIL) hand
 
 Child loop:
   1. apply queued commands (add, abort), blocking while nothing is in flight, and with late planning
-     (`late_planning: true`) while a step is in flight until just before it ends (app/engine/step_clock.py); an adapter to add goes to a loader
-     thread (reading, checking, folding it takes hundreds of ms on the 8B shape);
+     (`late_planning: true`) while a step is in flight until just before it ends
+     (app/engine/step_clock.py); an adapter to add goes to a loader thread (reading, checking,
+     folding it takes hundreds of ms on the 8B shape);
   2. register the adapters the loader has prepared, in the order they were asked for;
   3. run one step;
   4. send its outputs, with a stats snapshot when idle or every STATS_INTERVAL_S.

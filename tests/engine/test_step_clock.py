@@ -111,10 +111,10 @@ async def _output_times(engine: AsyncLLMEngine, prompt, max_tokens: int, abort_a
 
 
 def test_the_loop_holds_the_next_step_until_the_plan_time_but_takes_an_abort_at_once(tiny_llama_dir):
-    """Overlap and late planning turned on here (on CPU a launched step has computed already, so the clock times none
-    of them). Told that a one-row step takes 1 s on the device, the loop plans each decode step
-    about 1 s after the one before, but it still applies commands meanwhile: an abort sent during
-    the wait takes the request out at once, not at the plan time."""
+    """Overlap and late planning turned on here (on CPU a launched step has computed already, so
+    the clock times none of them). Told that a one-row step takes 1 s on the device, the loop plans
+    each decode step about 1 s after the one before, but it still applies commands meanwhile: an
+    abort sent during the wait takes the request out at once, not at the plan time."""
     llm = make_engine(tiny_llama_dir, late_planning=True)
     llm.overlap = True
     llm.clock.timed(1, 1.0)

@@ -175,7 +175,8 @@ keep_earlier() {  # an earlier dag step's files (this call's or a warm machine's
   for f in "$out"/dag-* "$out"/serve.log "$out"/pyspy-* "$out"/top*.txt; do [[ -e $f ]] && files+=("$f"); done
   (( ${#files[@]} )) || return 0
   while [[ -e $out/earlier-$n ]]; do n=$((n + 1)); done
-  mkdir "$out/earlier-$n" && mv "${files[@]}" "$out/earlier-$n/" && echo "dag: the earlier dag step's files are in earlier-$n/"
+  mkdir "$out/earlier-$n" && mv "${files[@]}" "$out/earlier-$n/"
+  echo "dag: the earlier dag step's files are in earlier-$n/"
 }
 
 dag() {

@@ -254,7 +254,7 @@ class ModelRunner:
         for i, item in enumerate(decodes + prefills):
             seq, start, n = item.seq, item.start, item.num_tokens
             end, first = start + n, len(tokens)
-            if n == 1:  # most rows of a busy step (a plain decode): the general case below, unrolled
+            if n == 1:  # most rows of a busy step (a plain decode): the general case (else), unrolled
                 tokens.append(seq.token_ids[start])
                 positions.append(start)
                 slots.append(seq.block_table[start // bs] * bs + start % bs)

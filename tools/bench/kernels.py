@@ -16,7 +16,7 @@ import torch.nn.functional as F
 import triton
 from triton.testing import do_bench
 
-from app.engine.models.attention import AttentionMetadata, PackedPrefills
+from app.engine.models.attention import FP8_MAX, AttentionMetadata, PackedPrefills, dequantize, quantize
 from app.engine.models.kernels import CudaKernels, TorchKernels
 from app.engine.models.moe import SparseMoE
 from app.engine.models.triton_attention import launch_shape, paged_decode
@@ -56,12 +56,12 @@ def decode(shape: str, num_seqs: int, context: int, block_size: int) -> None:
     q = torch.randn(num_seqs, s["heads"], s["head_dim"], device="cuda", dtype=torch.bfloat16)
     lens = torch.full((num_seqs,), context, device="cuda", dtype=torch.int32)
     scale = s["head_dim"] ** -0.5
-    k_scale, v_scale = (x.float().abs().amax().reshape(1) / 448.0 for x in (k, v))
-    k8, v8 = (x.float().div(sc).to(torch.float8_e4m3fn) for x, sc in ((k, k_scale), (v, v_scale)))
+    k_scale, v_scale = (x.float().abs().amax().reshape(1) / FP8_MAX for x in (k, v))
+    k8, v8 = quantize(k, k_scale), quantize(v, v_scale)
     few = min(num_seqs, 4)
     elements = 2 * num_seqs * context * s["kv_heads"] * s["head_dim"]
     for name, kc, vc, scales in (("bf16", k, v, None), ("fp8", k8, v8, (k_scale, v_scale))):
-        keys, values = ((c.float() * sc)[tables[:few].long()].flatten(1, 2)[:, :context].transpose(1, 2)
+        keys, values = (dequantize(c, sc, torch.float32)[tables[:few].long()].flatten(1, 2)[:, :context].transpose(1, 2)
                         for c, sc in zip((kc, vc), scales or (1.0, 1.0)))
         ref = F.scaled_dot_product_attention(q[:few, :, None].float(), keys, values, scale=scale, enable_gqa=True)
         chosen = launch_shape(num_seqs * s["kv_heads"], scales is not None)

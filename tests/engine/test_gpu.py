@@ -680,14 +680,17 @@ def test_fp8_linears_in_cuda_graphs_agree_with_bfloat16(tiny_llama_dir):
     assert agreement >= 0.6, agreement
 
 
-@pytest.mark.parametrize("rows, outs, width", [(1, 384, 512), (7, 20480, 1024), (16, 384, 4096), (17, 384, 512),
-                                              (300, 384, 4096)])
-def test_fp8_triton_linears_against_the_portable_path(rows, outs, width):
-    """CudaKernels' FP8 linear: up to WEIGHT_ONLY_ROWS rows, FP8 weights widened in the kernel (the
-    activations stay bf16: closer to the float matmul than FP8 x FP8), K split over programs for a
-    narrow layer (384 outputs: 4 splits, each several K blocks at width 4096) and not for a wide one
-    (20480); past it, one quantize kernel and _scaled_mm, whose quantized activations match the
-    portable op-by-op ones."""
+@pytest.mark.parametrize("rows, outs, width, dtype, magnitude", [
+    (1, 384, 512, torch.bfloat16, 1.0), (7, 20480, 1024, torch.bfloat16, 1.0), (16, 384, 4096, torch.bfloat16, 1.0),
+    (4, 384, 1040, torch.bfloat16, 3e4), (4, 384, 1024, torch.bfloat16, 2e-3), (5, 384, 1024, torch.float16, 1.0),
+    (32, 384, 512, torch.bfloat16, 1.0), (33, 384, 512, torch.bfloat16, 1.0), (300, 384, 4096, torch.bfloat16, 1.0)])
+def test_fp8_triton_linears_against_the_portable_path(rows, outs, width, dtype, magnitude):
+    """CudaKernels' FP8 linear: up to WEIGHT_ONLY_ROWS rows, FP8 weights widened to fp16 in the kernel
+    with the activations (bf16 ones prescaled: large ones, 3e4, neither overflow nor lose precision,
+    and small ones, 2e-3, keep it), K split over programs for a narrow layer (384 outputs: 4 splits,
+    each several K blocks at width 4096; a width that is no multiple of the K block) and not for a
+    wide one (20480); past it, one quantize kernel and _scaled_mm, whose quantized activations match
+    the portable op-by-op ones."""
     from app.engine.models.kernels import FP8, fp8_linear
     from app.engine.models.triton_fp8 import WEIGHT_ONLY_ROWS, fp8_linear as triton_fp8_linear, quantize_rows
 
@@ -695,10 +698,11 @@ def test_fp8_triton_linears_against_the_portable_path(rows, outs, width):
     weight = torch.randn(outs, width, device="cuda") * width ** -0.5
     scale = weight.abs().amax(dim=1, keepdim=True) / torch.finfo(FP8).max
     weight8, weight_scale = (weight / scale).to(FP8), scale.t().contiguous()
-    bias = torch.randn(outs, device="cuda", dtype=torch.bfloat16)
-    x = torch.randn(rows, width, device="cuda", dtype=torch.bfloat16)
+    bias = torch.randn(outs, device="cuda", dtype=dtype) * magnitude
+    x = (torch.randn(rows, width, device="cuda") * magnitude).to(dtype)
     expected = x.float() @ (weight8.float() * scale).T + bias.float()
     got = triton_fp8_linear(x, weight8, weight_scale, bias)
+    assert got.dtype == dtype
     relative = ((got.float() - expected).norm(dim=1) / expected.norm(dim=1)).max()
     assert relative < (0.01 if rows <= WEIGHT_ONLY_ROWS else 0.06), relative
     portable = fp8_linear(x, weight8, weight_scale, bias)

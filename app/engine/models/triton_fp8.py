@@ -4,11 +4,14 @@
   cast), where the op-by-op path launched four: with ~130 FP8 linears in an 8B model, a decode
   step's graph carried ~500 extra kernels, and batch 1 ran slower in FP8 than in bf16.
 - `weight_only_matmul`: few rows (small decode batches) are bound by reading the weights, not by
-  multiplying them. There, the weights are read as FP8 and widened to the activations' dtype in
-  registers: half the bytes of bf16, and no activation quantization at all (the activations keep
-  their precision). Many rows go through `quantize_rows` and one FP8 tensor-core matmul instead.
+  multiplying them. There, the weights are read as FP8 and widened to fp16 in registers, as are the
+  activations (exactly, for bf16 values in a range covering any model's): half the bytes of bf16,
+  and no activation quantization to FP8. Many rows go through `quantize_rows` and one FP8
+  tensor-core matmul instead.
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -49,8 +52,9 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 @triton.jit
 def _weight_only_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, rows, outs, width, stride_x, stride_w,
-                        stride_out, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                        stride_out, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
+                        PRESCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr):
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     split = tl.program_id(2)
@@ -59,11 +63,17 @@ def _weight_only_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, rows, outs, 
     w_ptrs = w_ptr + n[None, :].to(tl.int64) * stride_w + k[:, None]  # [BLOCK_K, BLOCK_N] tile of w.T
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for start in range(split * BLOCK_K, width, BLOCK_K * SPLIT_K):
-        x = tl.load(x_ptrs, mask=(m[:, None] < rows) & (start + tl.arange(0, BLOCK_K)[None, :] < width), other=0.0)
-        w = tl.load(w_ptrs, mask=(n[None, :] < outs) & (start + tl.arange(0, BLOCK_K)[:, None] < width), other=0.0)
-        acc = tl.dot(x, w.to(x.dtype), acc)
+        x_mask = m[:, None] < rows
+        w_mask = n[None, :] < outs
+        if not EVEN_K:
+            x_mask &= start + tl.arange(0, BLOCK_K)[None, :] < width
+            w_mask &= start + tl.arange(0, BLOCK_K)[:, None] < width
+        x = tl.load(x_ptrs, mask=x_mask, other=0.0).to(tl.float32) * PRESCALE
+        w = tl.load(w_ptrs, mask=w_mask, other=0.0)
+        acc = tl.dot(tl.clamp(x, -65504.0, 65504.0).to(tl.float16), w.to(tl.float16), acc)
         x_ptrs += BLOCK_K * SPLIT_K
         w_ptrs += BLOCK_K * SPLIT_K
+    acc *= 1.0 / PRESCALE
     mask = (m[:, None] < rows) & (n[None, :] < outs)
     if SPLIT_K == 1:
         acc *= tl.load(scale_ptr + n, mask=n < outs, other=0.0)[None, :]
@@ -91,10 +101,21 @@ def _finish_splits_kernel(partial_ptr, scale_ptr, bias_ptr, out_ptr, rows, outs,
     tl.store(out_ptr + row.to(tl.int64) * stride_out + n, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+# An activation is scaled by 2^-4 before it becomes fp16, and the sum by 2^4 after: every bf16 value from
+# 2^-10 to about 1e6 then converts exactly (bf16's 8 significant bits fit in fp16's 11); smaller ones round
+# by at most 2^-21, no more than bf16 itself rounds any value over 2^-12; larger ones saturate rather than
+# overflow (the largest activations reported in LLMs are near 1e4). fp16 activations convert as they are.
+FP16_PRESCALE = {torch.float16: 1.0}
+WIDE_PRESCALE = 2.0 ** -4
+
+
 def weight_only_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                       bias: torch.Tensor | None, block_n: int = 32, block_k: int = 256, split_k: int = 1,
-                       num_warps: int = 4, num_stages: int = 4) -> torch.Tensor:
-    """x [M, K] (16-bit) @ (weight [N, K] FP8 * weight_scale [1, N]).T (+ bias) -> [M, N] in x's dtype.
+                       bias: torch.Tensor | None, block_n: int = 128, block_k: int = 128, split_k: int = 1,
+                       num_warps: int = 4, num_stages: int = 5) -> torch.Tensor:
+    """x [M, K] @ (weight [N, K] FP8 * weight_scale [1, N]).T (+ bias) -> [M, N] in x's dtype, the dots in
+    fp16: E4M3 widens to fp16 exactly in one conversion per two values, and to bf16 only through fp16
+    with one more per value, which left the kernel bound by its arithmetic rather than by reading the
+    weights (docs/PERFORMANCE.md).
     split_k > 1 spreads each output tile's K over that many programs (a narrow layer otherwise leaves
     SMs idle), then one more launch sums them."""
     rows, width = x.shape
@@ -103,11 +124,14 @@ def weight_only_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scale: torc
     if not rows:
         return out
     bias_arg = bias if bias is not None else weight_scale  # not read without HAS_BIAS
-    grid = (triton.cdiv(outs, block_n), triton.cdiv(rows, 16), split_k)
+    block_m = min(64, max(16, triton.next_power_of_2(rows)))
+    grid = (triton.cdiv(outs, block_n), triton.cdiv(rows, block_m), split_k)
     target = out if split_k == 1 else torch.empty(split_k, rows, outs, dtype=torch.float32, device=x.device)
     _weight_only_kernel[grid](x, weight, weight_scale, bias_arg, target, rows, outs, width, x.stride(0),
-                              weight.stride(0), out.stride(0), SPLIT_K=split_k, HAS_BIAS=bias is not None, BLOCK_M=16,
-                              BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages)
+                              weight.stride(0), out.stride(0), SPLIT_K=split_k, HAS_BIAS=bias is not None,
+                              EVEN_K=width % block_k == 0, PRESCALE=FP16_PRESCALE.get(x.dtype, WIDE_PRESCALE),
+                              BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
+                              num_stages=num_stages)
     if split_k > 1:
         block = 1024
         _finish_splits_kernel[(rows, triton.cdiv(outs, block))](target, weight_scale, bias_arg, out, rows, outs,
@@ -116,7 +140,23 @@ def weight_only_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scale: torc
     return out
 
 
-WEIGHT_ONLY_ROWS = 16  # up to here reading the weights bounds the matmul (measured: docs/PERFORMANCE.md)
+WEIGHT_ONLY_ROWS = 32  # up to here reading the weights bounds the matmul (measured: docs/PERFORMANCE.md)
+
+
+@functools.cache
+def _multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def weight_only_launch(outs: int, device: torch.device) -> dict:
+    """The launch measured best on an H200 (tools/bench/kernels.py --only fp8): tiles of 128 outputs; a
+    layer with fewer tiles than SMs splits K over up to 4 programs, in shorter blocks of K with a deeper
+    pipeline; a wide one (gate/up) reads longer blocks, unsplit."""
+    tiles = triton.cdiv(outs, 128)
+    if tiles >= _multiprocessors(device):
+        return dict(block_n=128, block_k=256, split_k=1, num_stages=3)
+    return dict(block_n=128, block_k=128, split_k=min(4, triton.cdiv(2 * _multiprocessors(device), tiles)),
+                num_stages=5)
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
@@ -124,9 +164,8 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     """x [..., K] @ (weight [N, K] FP8 * weight_scale [1, N]).T (+ bias), in x's dtype."""
     rows = x.reshape(-1, x.shape[-1])
     if rows.shape[0] <= WEIGHT_ONLY_ROWS:
-        # Enough programs to keep every SM reading: a narrow layer's K is split over up to 4 of them.
-        split_k = min(4, max(1, 512 // triton.cdiv(weight.shape[0], 32)))
-        y = weight_only_matmul(rows.contiguous(), weight, weight_scale, bias, split_k=split_k)
+        y = weight_only_matmul(rows.contiguous(), weight, weight_scale, bias,
+                               **weight_only_launch(weight.shape[0], x.device))
     else:
         q, scale = quantize_rows(rows)
         y = torch._scaled_mm(q, weight.t(), scale_a=scale, scale_b=weight_scale, out_dtype=x.dtype)

@@ -177,9 +177,9 @@ def _graph_us(fn) -> float:
 
 
 def _cold_us(fn, weights: list) -> float:
-    """Microseconds per call of fn(weight), replayed from one CUDA graph that calls it once on each
-    weight in turn: together they are larger than the L2, so each call reads its weight from memory,
-    as a decode step reads each layer's."""
+    """Microseconds per call of fn(weight), replayed from one CUDA graph that calls it on each weight in
+    turn (ten passes): together they are larger than the L2, so each call reads its weight from
+    memory, as a decode step reads each layer's."""
     return _graph_us(lambda: [fn(w) for w in weights]) / len(weights)
 
 

@@ -70,7 +70,8 @@ def _weight_only_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, rows, outs, 
             w_mask &= start + tl.arange(0, BLOCK_K)[:, None] < width
         x = tl.load(x_ptrs, mask=x_mask, other=0.0).to(tl.float32) * PRESCALE
         w = tl.load(w_ptrs, mask=w_mask, other=0.0)
-        acc = tl.dot(tl.clamp(x, -65504.0, 65504.0).to(tl.float16), w.to(tl.float16), acc)
+        x = tl.clamp(x, -65504.0, 65504.0, propagate_nan=tl.PropagateNan.ALL)
+        acc = tl.dot(x.to(tl.float16), w.to(tl.float16), acc)
         x_ptrs += BLOCK_K * SPLIT_K
         w_ptrs += BLOCK_K * SPLIT_K
     acc *= 1.0 / PRESCALE
@@ -103,8 +104,9 @@ def _finish_splits_kernel(partial_ptr, scale_ptr, bias_ptr, out_ptr, rows, outs,
 
 # An activation is scaled by 2^-4 before it becomes fp16, and the sum by 2^4 after: every bf16 value from
 # 2^-10 to about 1e6 then converts exactly (bf16's 8 significant bits fit in fp16's 11); smaller ones round
-# by at most 2^-21, no more than bf16 itself rounds any value over 2^-12; larger ones saturate rather than
-# overflow (the largest activations reported in LLMs are near 1e4). fp16 activations convert as they are.
+# by at most 2^-21, no more than bf16 itself rounds values from 2^-13 up; larger ones and infinities
+# saturate (the largest activations reported in LLMs are near 1e4); NaN stays NaN. float32 activations
+# keep 11 significant bits, as TF32 dots would. fp16 activations convert as they are.
 FP16_PRESCALE = {torch.float16: 1.0}
 WIDE_PRESCALE = 2.0 ** -4
 
@@ -114,8 +116,9 @@ def weight_only_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scale: torc
                        num_warps: int = 4, num_stages: int = 5) -> torch.Tensor:
     """x [M, K] @ (weight [N, K] FP8 * weight_scale [1, N]).T (+ bias) -> [M, N] in x's dtype, the dots in
     fp16: E4M3 widens to fp16 exactly in one conversion per two values, and to bf16 only through fp16
-    with one more per value, which left the kernel bound by its arithmetic rather than by reading the
-    weights (docs/PERFORMANCE.md).
+    with one more per value. With the wide tiles of `weight_only_launch` that reads the weights at
+    3.5 TB/s on an H200; bf16 dots read them slower in those tiles than in narrow ones, where they
+    stopped at 2.7 (docs/PERFORMANCE.md).
     split_k > 1 spreads each output tile's K over that many programs (a narrow layer otherwise leaves
     SMs idle), then one more launch sums them."""
     rows, width = x.shape

@@ -683,15 +683,16 @@ def test_fp8_linears_in_cuda_graphs_agree_with_bfloat16(tiny_llama_dir):
 @pytest.mark.parametrize("rows, outs, width, dtype, magnitude", [
     (1, 384, 512, torch.bfloat16, 1.0), (7, 20480, 1024, torch.bfloat16, 1.0), (16, 384, 4096, torch.bfloat16, 1.0),
     (4, 384, 1040, torch.bfloat16, 3e4), (4, 384, 1024, torch.bfloat16, 1e-3), (5, 384, 1024, torch.float16, 1.0),
-    (24, 20480, 1040, torch.bfloat16, 1.0), (32, 384, 512, torch.bfloat16, 1.0), (33, 384, 512, torch.bfloat16, 1.0),
+    (3, 384, 8208, torch.bfloat16, 1.0), (24, 20480, 1040, torch.bfloat16, 1.0), (32, 384, 512, torch.bfloat16, 1.0),
+    (33, 384, 512, torch.bfloat16, 1.0),
     (300, 384, 4096, torch.bfloat16, 1.0)])
 def test_fp8_triton_linears_against_the_portable_path(rows, outs, width, dtype, magnitude, monkeypatch):
     """CudaKernels' FP8 linear: up to WEIGHT_ONLY_ROWS rows, FP8 weights widened to fp16 in the kernel
     with the activations, within the bf16 output's rounding of the float32 matmul (bf16 activations
     are prescaled: at 3e4 they would overflow fp16 without it, and at 1e-3 a larger prescale would
     lose their precision); a NaN stays in its row. K is split over programs for a narrow layer (384
-    outputs: 4 splits, each several K blocks at width 4096) and not for a wide one (20480), each also
-    with a width that is no multiple of the K block (1040). Past WEIGHT_ONLY_ROWS, one quantize kernel
+    outputs: 4 splits, each several K blocks at width 4096; 8 at width 8208) and not for a wide one
+    (20480), also with a width that is no multiple of the K block (1040, 8208). Past WEIGHT_ONLY_ROWS, one quantize kernel
     and _scaled_mm, whose quantized activations match the portable op-by-op ones."""
     from app.engine.models import triton_fp8
     from app.engine.models.kernels import FP8, fp8_linear

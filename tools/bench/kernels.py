@@ -209,7 +209,7 @@ def fp8(rows: int, outs: int, width: int) -> None:
                   quantize_mm_us=_cold_us(quantized, pairs), quantize_mm_err=_rel_err(quantized(pairs[0]), ref),
                   op_by_op_err=_rel_err(fp8_linear(x, w8, w_scale, None), ref))
     if rows <= 128:
-        chosen = weight_only_launch(outs, x.device)
+        chosen = weight_only_launch(outs, width, x.device)
         launches = {"chosen": chosen}
         for block_n, block_k, split_k, stages in ((128, 128, 4, 5), (128, 256, 1, 3), (64, 128, 4, 5), (128, 128, 8, 5),
                                                   (128, 128, 2, 5), (64, 256, 4, 3), (128, 128, 1, 5)):

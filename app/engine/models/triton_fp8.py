@@ -151,14 +151,16 @@ def _multiprocessors(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def weight_only_launch(outs: int, device: torch.device) -> dict:
+def weight_only_launch(outs: int, width: int, device: torch.device) -> dict:
     """The launch measured best on an H200 (tools/bench/kernels.py --only fp8): tiles of 128 outputs; a
-    layer with fewer tiles than SMs splits K over up to 4 programs, in shorter blocks of K with a deeper
-    pipeline; a wide one (gate/up) reads longer blocks, unsplit."""
+    layer with fewer tiles than SMs splits K over several programs, in shorter blocks of K with a
+    deeper pipeline: up to 8 for a long K (down's 14,336), up to 4 for a short one (q/k/v lost more to
+    8 splits' sums than it gained). A wide layer (gate/up) reads longer blocks, unsplit."""
     tiles = triton.cdiv(outs, 128)
     if tiles >= _multiprocessors(device):
         return dict(block_n=128, block_k=256, split_k=1, num_stages=3)
-    return dict(block_n=128, block_k=128, split_k=min(4, triton.cdiv(2 * _multiprocessors(device), tiles)),
+    most = 8 if width >= 8192 else 4
+    return dict(block_n=128, block_k=128, split_k=min(most, triton.cdiv(2 * _multiprocessors(device), tiles)),
                 num_stages=5)
 
 
@@ -168,7 +170,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     rows = x.reshape(-1, x.shape[-1])
     if rows.shape[0] <= WEIGHT_ONLY_ROWS:
         y = weight_only_matmul(rows.contiguous(), weight, weight_scale, bias,
-                               **weight_only_launch(weight.shape[0], x.device))
+                               **weight_only_launch(*weight.shape, x.device))
     else:
         q, scale = quantize_rows(rows)
         y = torch._scaled_mm(q, weight.t(), scale_a=scale, scale_b=weight_scale, out_dtype=x.dtype)

@@ -692,8 +692,9 @@ def test_fp8_triton_linears_against_the_portable_path(rows, outs, width, dtype, 
     are prescaled: at 3e4 they would overflow fp16 without it, and at 1e-3 a larger prescale would
     lose their precision); a NaN stays in its row. K is split over programs for a narrow layer (384
     outputs: 4 splits, each several K blocks at width 4096; 8 at width 8208) and not for a wide one
-    (20480), also with a width that is no multiple of the K block (1040, 8208). Past WEIGHT_ONLY_ROWS, one quantize kernel
-    and _scaled_mm, whose quantized activations match the portable op-by-op ones."""
+    (20480), also with a width that is no multiple of the K block (1040, 8208). Past
+    WEIGHT_ONLY_ROWS, one quantize kernel and _scaled_mm, whose quantized activations match the
+    portable op-by-op ones."""
     from app.engine.models import triton_fp8
     from app.engine.models.kernels import FP8, fp8_linear
     from app.engine.models.triton_fp8 import WEIGHT_ONLY_ROWS, quantize_rows
@@ -713,6 +714,8 @@ def test_fp8_triton_linears_against_the_portable_path(rows, outs, width, dtype, 
     monkeypatch.setattr(triton_fp8, "weight_only_matmul", counted)
     got = triton_fp8.fp8_linear(x, weight8, weight_scale, bias)
     assert got.dtype == dtype
+    splits = triton_fp8.weight_only_launch(outs, width, x.device)["split_k"]
+    assert splits == (1 if outs == 20480 else 8 if width == 8208 else 4), splits
     assert len(weight_only_calls) == (rows <= WEIGHT_ONLY_ROWS)
     relative = ((got.float() - expected).norm(dim=1) / expected.norm(dim=1)).max()
     assert relative < (0.004 if rows <= WEIGHT_ONLY_ROWS else 0.06), relative

@@ -1,13 +1,13 @@
-"""FP8 (E4M3) linear layers on CUDA: two Triton kernels around torch._scaled_mm.
+"""FP8 (E4M3) linear layers on CUDA: Triton kernels around torch._scaled_mm.
 
 - `quantize_rows`: one launch per matmul for the dynamic per-token activation scales (amax, divide,
   cast), where the op-by-op path launched four: with ~130 FP8 linears in an 8B model, a decode
   step's graph carried ~500 extra kernels, and batch 1 ran slower in FP8 than in bf16.
 - `weight_only_matmul`: few rows (small decode batches) are bound by reading the weights, not by
   multiplying them. There, the weights are read as FP8 and widened to fp16 in registers, as are the
-  activations (exactly, for bf16 values in a range covering any model's): half the bytes of bf16,
-  and no activation quantization to FP8. Many rows go through `quantize_rows` and one FP8
-  tensor-core matmul instead.
+  activations (exactly, for bf16 values from 2^-10 to about 1e6: ACTIVATION_PRESCALE): half the
+  bytes of bf16, and no activation quantization to FP8. More rows go through `quantize_rows` and
+  one FP8 tensor-core matmul instead.
 """
 from __future__ import annotations
 
@@ -107,8 +107,7 @@ def _finish_splits_kernel(partial_ptr, scale_ptr, bias_ptr, out_ptr, rows, outs,
 # by at most 2^-21, no more than bf16 itself rounds values from 2^-13 up; larger ones and infinities
 # saturate (the largest activations reported in LLMs are near 1e4); NaN stays NaN. float32 activations
 # keep 11 significant bits, as TF32 dots would. fp16 activations convert as they are.
-FP16_PRESCALE = {torch.float16: 1.0}
-WIDE_PRESCALE = 2.0 ** -4
+ACTIVATION_PRESCALE = 2.0 ** -4
 
 
 def weight_only_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
@@ -116,9 +115,9 @@ def weight_only_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scale: torc
                        num_warps: int = 4, num_stages: int = 5) -> torch.Tensor:
     """x [M, K] @ (weight [N, K] FP8 * weight_scale [1, N]).T (+ bias) -> [M, N] in x's dtype, the dots in
     fp16: E4M3 widens to fp16 exactly in one conversion per two values, and to bf16 only through fp16
-    with one more per value. With the wide tiles of `weight_only_launch` that reads the weights at
-    3.5 TB/s on an H200; bf16 dots read them slower in those tiles than in narrow ones, where they
-    stopped at 2.7 (docs/PERFORMANCE.md).
+    with one more per value. In the wide tiles of `weight_only_launch` that reads gate/up at 3.5 TB/s
+    on an H200; bf16 dots read it slower in those tiles than in narrow ones, where they stopped at
+    2.7 (docs/PERFORMANCE.md).
     split_k > 1 spreads each output tile's K over that many programs (a narrow layer otherwise leaves
     SMs idle), then one more launch sums them."""
     rows, width = x.shape
@@ -130,11 +129,11 @@ def weight_only_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scale: torc
     block_m = min(64, max(16, triton.next_power_of_2(rows)))
     grid = (triton.cdiv(outs, block_n), triton.cdiv(rows, block_m), split_k)
     target = out if split_k == 1 else torch.empty(split_k, rows, outs, dtype=torch.float32, device=x.device)
+    prescale = 1.0 if x.dtype == torch.float16 else ACTIVATION_PRESCALE
     _weight_only_kernel[grid](x, weight, weight_scale, bias_arg, target, rows, outs, width, x.stride(0),
                               weight.stride(0), out.stride(0), SPLIT_K=split_k, HAS_BIAS=bias is not None,
-                              EVEN_K=width % block_k == 0, PRESCALE=FP16_PRESCALE.get(x.dtype, WIDE_PRESCALE),
-                              BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
-                              num_stages=num_stages)
+                              EVEN_K=width % block_k == 0, PRESCALE=prescale, BLOCK_M=block_m, BLOCK_N=block_n,
+                              BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages)
     if split_k > 1:
         block = 1024
         _finish_splits_kernel[(rows, triton.cdiv(outs, block))](target, weight_scale, bias_arg, out, rows, outs,
@@ -143,7 +142,7 @@ def weight_only_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scale: torc
     return out
 
 
-WEIGHT_ONLY_ROWS = 32  # up to here reading the weights bounds the matmul (measured: docs/PERFORMANCE.md)
+WEIGHT_ONLY_ROWS = 32  # up to here the weight-only kernel beats quantize_rows + _scaled_mm (H200, docs/PERFORMANCE.md)
 
 
 @functools.cache
@@ -151,17 +150,22 @@ def _multiprocessors(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+WEIGHT_ONLY_TILE = 128  # outputs a program computes
+LONG_K = 8192  # between the two widths measured: 4,096 (q/k/v, o) and 14,336 (down)
+
+
 def weight_only_launch(outs: int, width: int, device: torch.device) -> dict:
-    """The launch measured best on an H200 (tools/bench/kernels.py --only fp8): tiles of 128 outputs; a
-    layer with fewer tiles than SMs splits K over several programs, in shorter blocks of K with a
-    deeper pipeline: up to 8 for a long K (down's 14,336), up to 4 for a short one (q/k/v lost more to
-    8 splits' sums than it gained). A wide layer (gate/up) reads longer blocks, unsplit."""
-    tiles = triton.cdiv(outs, 128)
+    """The launch measured best on an H200 (tools/bench/kernels.py --only fp8). A layer with at least as
+    many tiles as SMs (gate/up) reads blocks of 256 of K over 3 stages, unsplit. A narrower one splits
+    K over several programs, never more than two per SM, in blocks of 128 over 5 stages: up to 8 for
+    a long K (down's 14,336 read 0.5-3.4 us faster with 8 than with 4), else up to 4 (o's K of 4,096,
+    with as many tiles as down, gained nothing from 8; q/k/v lost 2 us at 1-16 rows)."""
+    tiles = triton.cdiv(outs, WEIGHT_ONLY_TILE)
     if tiles >= _multiprocessors(device):
-        return dict(block_n=128, block_k=256, split_k=1, num_stages=3)
-    most = 8 if width >= 8192 else 4
-    return dict(block_n=128, block_k=128, split_k=min(most, triton.cdiv(2 * _multiprocessors(device), tiles)),
-                num_stages=5)
+        return dict(block_n=WEIGHT_ONLY_TILE, block_k=256, split_k=1, num_stages=3)
+    most = 8 if width >= LONG_K else 4
+    return dict(block_n=WEIGHT_ONLY_TILE, block_k=128,
+                split_k=min(most, triton.cdiv(2 * _multiprocessors(device), tiles)), num_stages=5)
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,

@@ -17,7 +17,7 @@ import triton
 from triton.testing import do_bench
 
 from app.engine.models.attention import FP8_MAX, AttentionMetadata, PackedPrefills, dequantize, quantize
-from app.engine.models.kernels import CudaKernels, TorchKernels
+from app.engine.models.kernels import CudaKernels, TorchKernels, quantize_weight
 from app.engine.models.moe import SparseMoE
 from app.engine.models.triton_attention import launch_shape, paged_decode
 from app.engine.models.triton_fused import add_rms_norm
@@ -192,12 +192,10 @@ def fp8(rows: int, outs: int, width: int) -> None:
 
     copies = max(1, -(-256 * 2 ** 20 // (outs * width)))  # 256 MiB of FP8 weights, over four H200 L2s
     w16s = [torch.randn(outs, width, device="cuda", dtype=torch.bfloat16) * width ** -0.5 for _ in range(copies)]
-    scales = [w16.float().abs().amax(dim=1, keepdim=True) / 448.0 for w16 in w16s]
-    w8s = [(w16.float() / scale).to(torch.float8_e4m3fn) for w16, scale in zip(w16s, scales)]
-    pairs = [(w8, scale.t().contiguous()) for w8, scale in zip(w8s, scales)]
+    pairs = [quantize_weight(w16) for w16 in w16s]
     w8, w_scale = pairs[0]
     x = torch.randn(rows, width, device="cuda", dtype=torch.bfloat16)
-    ref = x.float() @ (w8.float() * scales[0]).t()
+    ref = (x.float() @ w8.float().t()) * w_scale
 
     def quantized(pair):
         q, s = quantize_rows(x)

@@ -16,6 +16,14 @@ from app.engine.models.attention import (FP8, FP8_MAX, AttentionMetadata, decode
                                          prefill_attention, store_kv)
 
 
+def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [N, K] -> (weight / scale in FP8 [N, K], scale [1, N] float32): one scale per output
+    channel, the channel's amax / 448."""
+    weight = weight.float()
+    scale = weight.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / FP8_MAX
+    return (weight / scale).to(FP8), scale.t().contiguous()
+
+
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                bias: torch.Tensor | None) -> torch.Tensor:
     """x @ weight.T with both in FP8: x quantized on the fly, one scale per token (dynamic, so an

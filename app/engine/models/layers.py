@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from app.engine.models.kernels import FP8, FP8_MAX, TorchKernels, fp8_linear, with_delta
+from app.engine.models.kernels import FP8, FP8_MAX, TorchKernels, fp8_linear, quantize_weight, with_delta
 from app.engine.parallel import SINGLE, TensorParallel
 
 
@@ -90,10 +90,9 @@ class MergedLinear(nn.Module):
         """The weight in FP8 (E4M3) with one scale per output channel, computed on this rank's slice;
         the 16-bit weight is dropped. It multiplies op by op (fp8_linear) until given the device's
         FP8 kernel (`fp8_matmul`, set by LlamaForCausalLM.finish_loading)."""
-        weight = self.weight.float()
-        scale = weight.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / FP8_MAX
-        self.weight = nn.Parameter((weight / scale).to(FP8), requires_grad=False)
-        self.weight_scale = nn.Parameter(scale.t().contiguous(), requires_grad=False)
+        weight, scale = quantize_weight(self.weight)
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.weight_scale = nn.Parameter(scale, requires_grad=False)
 
     def pack_for_cpu(self) -> None:
         """Reorder the weight into oneDNN's blocked layout once (where TorchKernels.packs_linears)."""

@@ -34,15 +34,21 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
 
 from app.engine import EngineConfig, LLMEngine, SamplingParams
+from app.engine.engine_process import EngineProcess
 from app.engine.guided import Guide
 from app.engine.worker import resolve_dtype
 from app.heap import freeze_startup_heap, startup_heap_frozen
 from tools.bench.engine_runner import run_engine
+from tools.bench.process_runner import run_engine_process
 from tools.bench.report import stages_table, table
-from tools.bench.workload import fresh_prompts, run_seed, synthetic
+from tools.bench.workload import Workload, fresh_prompts, parse_range, run_seed, synthetic
 
 
 def engine_command(args) -> dict:
+    if any(args.round_trip_ms) and args.request_rate:
+        raise SystemExit("--round-trip-ms is for the closed loop (no --request-rate)")
+    if len(set(parse_range(args.output_len))) > 1 and "hf" in args.compare:
+        raise SystemExit("--compare hf: one --output-len (transformers' batches share one length)")
     config = EngineConfig(model=args.model, dtype=args.dtype, device=args.device, load_format=args.load_format,
                           cuda_graphs=not args.no_cuda_graphs, disable_overlap_scheduler=args.disable_overlap_scheduler,
                           late_planning=args.late_planning,
@@ -54,6 +60,8 @@ def engine_command(args) -> dict:
                                            "enable_block_reuse": not args.no_reuse, "dtype": args.kv_cache_dtype},
                           tensor_parallel_size=args.tp, pipeline_parallel_size=args.pp,
                           quantization=args.quantization)
+    if args.engine_process:
+        return _engine_process_command(args, config)
     config.max_loras = max(config.max_loras, args.adapters)
     if args.adapters:  # slots as wide as the adapters, as a deployment sized for them would have
         config.max_lora_rank = args.lora_rank
@@ -63,7 +71,7 @@ def engine_command(args) -> dict:
     wl = replace(wl, temperature=args.temperature, top_p=args.top_p)
     engine.generate([[100] * 16], SamplingParams(max_tokens=4, temperature=0.0))  # warm-up, on no prompt's tokens
     freeze_startup_heap()  # as the engine's serving processes do (app/heap.py)
-    results = [run_engine(engine, wl)]
+    results = _round_trip_runs(lambda w, name: run_engine(engine, w, name), wl, engine.limits.vocab_size, args)
     if args.adapters:
         import tempfile
 
@@ -83,15 +91,46 @@ def engine_command(args) -> dict:
                         dummy=args.load_format == "dummy")
         results.append(run_sequential(model, wl, min(args.hf_sequential_requests, wl.num_requests)))
         results.append(run_static_batches(model, wl))
-    print(table(results, baseline=results[-1].name if len(results) > 1 else None), flush=True)
     engine.shutdown()
+    return _engine_report(args, results, str(engine.model_dir), str(engine.runner.shard.dtype))
+
+
+def _round_trip_runs(run, wl, vocab: int, args) -> list:
+    """A run of the workload per --round-trip-ms, each on prompts of its own (one run: as drawn)."""
+    if args.round_trip_ms == [0.0]:
+        return [run(wl, "ours")]
+    return [run(replace(fresh_prompts(wl, vocab, run_seed(args.seed, "round trip", ms)), round_trip_s=ms / 1e3),
+                f"ours, round trip {ms:g} ms") for ms in args.round_trip_ms]
+
+
+def _engine_process_command(args, config: EngineConfig) -> dict:
+    """The workload through the engine in a process of its own, as a GPU Engine replica runs it."""
+    if args.adapters or args.guided or args.compare or config.tensor_parallel_size * config.pipeline_parallel_size > 1:
+        raise SystemExit("--engine-process: plain requests on one device (no --adapters, --guided, --compare, "
+                         "--tp or --pp)")
+    engine = EngineProcess(config)
+    try:
+        vocab = engine.limits.vocab_size
+        wl = replace(synthetic(args.num_requests, args.input_len, args.output_len, vocab, args.seed, args.ignore_eos,
+                               args.concurrency, args.request_rate, args.arrival),
+                     temperature=args.temperature, top_p=args.top_p)
+        run_engine_process(engine, Workload([[100] * 16], 4, False, None, 1), "warm-up")  # on no prompt's tokens
+        results = _round_trip_runs(lambda w, name: run_engine_process(engine, w, f"{name}, engine process"), wl,
+                                   vocab, args)
+    finally:
+        engine.shutdown()
+    return _engine_report(args, results, config.model, config.dtype)
+
+
+def _engine_report(args, results: list, model_dir: str, dtype: str) -> dict:
+    baseline = results[0] if len(args.round_trip_ms) > 1 else results[-1]  # round trips: against the first
+    print(table(results, baseline=baseline.name if len(results) > 1 else None), flush=True)
     return {
         "command": "engine", "args": vars(args), "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "machine": {"platform": platform.platform(), "processor": platform.processor(), "torch": torch.__version__,
                     "threads": torch.get_num_threads(),
                     "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"},
-        "model_dir": str(engine.model_dir), "dtype": str(engine.runner.shard.dtype),
-        "results": [r.as_dict() for r in results],
+        "model_dir": model_dir, "dtype": dtype, "results": [r.as_dict() for r in results],
     }
 
 
@@ -270,7 +309,13 @@ def main(argv=None) -> None:
     e.add_argument("--request-rate", type=float, default=None, help="requests/s (default: all at once)")
     e.add_argument("--arrival", choices=["exponential", "constant"], default="exponential")
     e.add_argument("--input-len", default="64:128", help="prompt tokens, N or LO:HI (uniform)")
-    e.add_argument("--output-len", type=int, default=64)
+    e.add_argument("--output-len", default="64", help="output tokens, N or LO:HI (uniform)")
+    e.add_argument("--round-trip-ms", type=float, nargs="+", default=[0.0],
+                   help="closed loop: a finished request's next one arrives this long after its last step "
+                        "(a client's round trip through a serving path); several: a run each, on fresh prompts")
+    e.add_argument("--engine-process", action="store_true",
+                   help="run the engine in a process of its own and the workload over its pipe, as a GPU Engine "
+                        "replica does (app/engine/engine_process.py), instead of in this process")
     e.add_argument("--ignore-eos", action="store_true")
     e.add_argument("--seed", type=int, default=0)
     e.add_argument("--tp", type=int, default=1, help="tensor_parallel_size (ranks as local processes)")
@@ -306,7 +351,7 @@ def main(argv=None) -> None:
     s.add_argument("--request-rate", type=float, default=None)
     s.add_argument("--arrival", choices=["exponential", "constant"], default="exponential")
     s.add_argument("--input-len", default="64:128")
-    s.add_argument("--output-len", type=int, default=64)
+    s.add_argument("--output-len", default="64", help="output tokens, N or LO:HI (uniform)")
     s.add_argument("--ignore-eos", action="store_true")
     s.add_argument("--seed", type=int, default=None,
                    help="the prompts' seed (default: a new one each time, recorded in the JSON: a server outlives "

@@ -1,9 +1,13 @@
 """The engine benchmark's driver (tools/bench/engine_runner.py): when a request's TTFT starts."""
 import time
+from dataclasses import replace
 
+from app.engine import EngineConfig
+from app.engine.engine_process import EngineProcess
 from tests.conftest import make_engine, random_prompts
 from tools.bench.engine_runner import run_engine
-from tools.bench.workload import Workload
+from tools.bench.process_runner import run_engine_process
+from tools.bench.workload import Workload, synthetic
 
 SLOW_STEP_S = 0.2
 
@@ -45,3 +49,43 @@ def test_a_request_held_back_by_the_concurrency_limit_counts_from_when_a_slot_fr
     result = run_engine(engine, Workload(prompts, output_len=2, ignore_eos=True, arrivals_s=None, concurrency=1))
     assert result.e2e_ms["p99"] >= SLOW_STEP_S * 1e3  # request 0, through the slow step
     assert result.ttft_ms["p99"] < SLOW_STEP_S / 2 * 1e3, result.ttft_ms  # request 1 too: its own step only
+
+
+def test_a_round_trip_holds_a_freed_slot_back_and_counts_from_its_return(tiny_llama_dir):
+    """One slot, a 0.3 s round trip: request 1 reaches the engine only once request 0's last token
+    has gone out and request 1 has come back, and its TTFT counts from then, as the serving path's
+    client would see it: short, not the round trip plus its own step."""
+    engine = make_engine(tiny_llama_dir)
+    prompts = random_prompts(2, 8, 16, engine.limits.vocab_size, seed=3)
+    steps = []
+    workload = Workload(prompts, output_len=2, ignore_eos=True, arrivals_s=None, concurrency=1, round_trip_s=0.3)
+    result = run_engine(engine, workload, on_step=lambda started, took, added, outputs: steps.append(
+        (started, took, added, [o.finished for o in outputs])))
+    last_of_0 = next(started + took for started, took, _, finished in steps if any(finished))
+    first_with_1 = next(started for started, _, added, _ in steps if added == 2)
+    assert first_with_1 - last_of_0 >= 0.3, steps
+    assert result.ttft_ms["p99"] < 150, result.ttft_ms  # request 0's and request 1's: their own steps only
+
+
+def test_output_lengths_drawn_from_a_range_are_what_each_request_generates(tiny_llama_dir):
+    engine = make_engine(tiny_llama_dir)
+    workload = synthetic(6, "8:16", "2:9", engine.limits.vocab_size, seed=4, concurrency=6)
+    assert workload.output_len == 9 and len(set(workload.output_lens)) > 1
+    assert all(2 <= n <= 9 for n in workload.output_lens)
+    result = run_engine(engine, workload)
+    assert result.output_lens == workload.output_lens
+
+
+def test_the_engine_process_runner_streams_each_request_its_own_length_and_waits_out_the_round_trip(tiny_llama_dir):
+    """Through the engine's own process (as a GPU Engine replica runs it): every request generates
+    the length drawn for it, and with one client the second request starts only once the first has
+    come back (0.3 s after its end), its TTFT counted from then."""
+    engine = EngineProcess(EngineConfig(model=str(tiny_llama_dir),
+                                        kv_cache_config={"max_tokens": 4096, "tokens_per_block": 8}), cpu_threads=1)
+    try:
+        workload = replace(synthetic(3, "8:16", "2:9", 256, seed=5, concurrency=1), round_trip_s=0.3)
+        result = run_engine_process(engine, workload, "process")
+    finally:
+        engine.shutdown()
+    assert result.output_lens == workload.output_lens
+    assert result.wall_s >= 0.6 and result.ttft_ms["p99"] < 150, (result.wall_s, result.ttft_ms)

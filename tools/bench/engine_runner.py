@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -14,7 +15,9 @@ from tools.bench.workload import Workload
 def run_engine(engine: LLMEngine, wl: Workload, name: str = "ours",
                on_step: Callable[[float, float, int, list], None] | None = None) -> RunResult:
     """Each request's TTFT and latency count from its arrival: when the workload says it is due, or,
-    if every slot (wl.concurrency) was taken then, when the step that freed one ended. A request due
+    if every slot (wl.concurrency) was taken then, when a slot came free: at the end of the step
+    that finished a request, plus wl.round_trip_s (a client that sends its next request once the
+    last token has reached it, over a serving path that takes that long both ways). A request due
     while a step computes waits for that step (as it would in the serving engine's inbox), and that
     wait counts. on_step(started, took, added, outputs) after every step: its start (seconds from
     the run's start), its duration, how many requests were added by then, and its outputs."""
@@ -27,39 +30,40 @@ def run_engine(engine: LLMEngine, wl: Workload, name: str = "ours",
     steps_before = engine.num_steps
     queued_before = (engine.clock.queued, engine.clock.queued_late) if engine.clock is not None else (0, 0)
     start = time.perf_counter()
-    slot_free_since = start  # since when fewer than wl.concurrency requests have been in the engine
+    free_slots = deque([start] * wl.concurrency)  # when each free slot came free
+    returning: deque[float] = deque()  # slots whose next request is still on its way back
     next_i = 0
     while next_i < wl.num_requests or engine.has_unfinished_requests():
+        while returning and returning[0] <= time.perf_counter():
+            free_slots.append(returning.popleft())
         now = time.perf_counter() - start
-        in_flight = len(engine.requests)  # the engine holds this workload's unfinished requests only
-        while next_i < wl.num_requests and in_flight < wl.concurrency and (
-                wl.arrivals_s is None or wl.arrivals_s[next_i] <= now):
+        while next_i < wl.num_requests and free_slots and (wl.arrivals_s is None or wl.arrivals_s[next_i] <= now):
             rid = f"bench-{next_i}"
             adapter = wl.adapters[next_i] if wl.adapters else None
             own = replace(params, max_tokens=wl.output_lens[next_i]) if wl.output_lens else params
             engine.add_request(rid, wl.prompts[next_i], own, adapter_id=adapter)
             due = start + wl.arrivals_s[next_i] if wl.arrivals_s is not None else start
-            arrived[rid] = max(due, slot_free_since)
-            next_i, in_flight = next_i + 1, in_flight + 1
-        if in_flight >= wl.concurrency:
-            slot_free_since = None
+            arrived[rid] = max(due, free_slots.popleft())
+            next_i += 1
+        # When the loop has something to take next: a request due in a free slot, or a slot coming back.
+        upcoming = [returning[0] - start] if returning else []
+        if next_i < wl.num_requests and free_slots and wl.arrivals_s is not None:
+            upcoming.append(wl.arrivals_s[next_i])
         if not engine.has_unfinished_requests():
-            time.sleep(max(0.0, wl.arrivals_s[next_i] - (time.perf_counter() - start)))
+            time.sleep(max(0.0, min(upcoming) - (time.perf_counter() - start)))
             continue
         wait = engine.seconds_to_plan()  # as the serving loops do: take arrivals until the step computing nearly ends
         if wait > 0:
-            if wl.arrivals_s is not None and next_i < wl.num_requests and in_flight < wl.concurrency:
-                wait = min(wait, wl.arrivals_s[next_i] - now)
-            time.sleep(max(0.0, wait))
+            time.sleep(max(0.0, min([wait, *(u - now for u in upcoming)])))
             continue
         before = time.perf_counter()
         outputs = engine.step()
         t = time.perf_counter()
-        if slot_free_since is None and len(engine.requests) < wl.concurrency:
-            slot_free_since = t
         for out in outputs:
             chunks.setdefault(out.request_id, []).append(t)
             tokens[out.request_id] = tokens.get(out.request_id, 0) + sum(len(c.token_ids) for c in out.outputs)
+            if out.finished:
+                (returning if wl.round_trip_s else free_slots).append(t + wl.round_trip_s)
         if on_step is not None:
             on_step(before - start, t - before, next_i, outputs)
     wall = time.perf_counter() - start

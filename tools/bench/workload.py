@@ -18,6 +18,9 @@ class Workload:
     temperature: float = 0.0  # 0: greedy; else every request samples (unseeded), as most sampled traffic does
     top_p: float = 1.0
     guide: str | None = None  # a JSON schema (text) every request's output is held to
+    # Closed loop: a finished request's slot takes its next request this long after the step that
+    # ended it (the client's round trip through a serving path); the engine benchmark only.
+    round_trip_s: float = 0.0
 
     @property
     def num_requests(self) -> int:
@@ -42,17 +45,20 @@ def fresh_prompts(wl: Workload, vocab_size: int, seed: int) -> Workload:
     return replace(wl, prompts=[[rng.randrange(100, vocab_size) for _ in p] for p in wl.prompts])
 
 
-def synthetic(num_requests: int, input_len: str, output_len: int, vocab_size: int, seed: int = 0,
+def synthetic(num_requests: int, input_len: str, output_len: int | str, vocab_size: int, seed: int = 0,
               ignore_eos: bool = True, concurrency: int = 16, request_rate: float | None = None,
               arrival: str = "exponential") -> Workload:
-    """Random-token prompts (vllm bench's "random" dataset) with lengths uniform in input_len."""
+    """Random-token prompts (vllm bench's "random" dataset) with lengths uniform in input_len, and
+    output lengths uniform in output_len (N or LO:HI)."""
     rng = random.Random(seed)
     lo, hi = parse_range(input_len)
     prompts = [[rng.randrange(100, vocab_size) for _ in range(rng.randint(lo, hi))] for _ in range(num_requests)]
+    out_lo, out_hi = parse_range(str(output_len))
+    output_lens = [rng.randint(out_lo, out_hi) for _ in range(num_requests)] if out_lo != out_hi else None
     arrivals = None
     if request_rate:
         t, arrivals = 0.0, []
         for _ in range(num_requests):
             arrivals.append(t)
             t += rng.expovariate(request_rate) if arrival == "exponential" else 1.0 / request_rate
-    return Workload(prompts, output_len, ignore_eos, arrivals, concurrency)
+    return Workload(prompts, out_hi, ignore_eos, arrivals, concurrency, output_lens=output_lens)

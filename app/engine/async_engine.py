@@ -76,6 +76,29 @@ class _Stream:
                 abort()
 
 
+def deliver(engine, outputs: list[RequestOutput]) -> None:
+    """Both engines': each output to its request's stream (a finished one's stream is let go), with
+    one wakeup of each event loop for them all: call_soon_threadsafe writes to the loop's self-pipe
+    every time it is called, so one call per output would cost a step at 256 streams 256 writes."""
+    with engine._lock:
+        found = [(engine._streams.pop(out.request_id, None) if out.finished else engine._streams.get(out.request_id),
+                  out) for out in outputs]
+    by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+    for stream, out in found:
+        if stream is not None:
+            by_loop.setdefault(stream.loop, []).append((stream.queue, out))
+    for loop, items in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(_put_all, items)
+        except RuntimeError:  # the event loop has closed: nobody is left to read them
+            pass
+
+
+def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+    for queue_, out in items:
+        queue_.put_nowait(out)
+
+
 async def stream_request(engine, request_id: str, submit: Callable[[], None]) -> AsyncIterator[RequestOutput]:
     """Both engines' generate (this loop thread's and EngineProcess'): register the request's stream
     (one per id in flight), `submit` its ADD command, yield its outputs; leaving early aborts it at
@@ -179,8 +202,7 @@ class AsyncLLMEngine:
                 self._step_started = None
                 if not self.engine.has_unfinished_requests() or time.monotonic() - self._stats_at > STATS_INTERVAL_S:
                     self._publish_stats()
-                for output in outputs:
-                    self._deliver(output)
+                deliver(self, outputs)
         except BaseException as exc:  # noqa: BLE001 - any escape means the engine is gone
             logger.exception("engine loop died")
             self._fail_everything(exc)
@@ -233,15 +255,7 @@ class AsyncLLMEngine:
             elif command is Command.ABORT:
                 output = self.engine.abort_request(arg)
                 if output is not None:
-                    self._deliver(output)
-
-    def _deliver(self, output: RequestOutput) -> None:
-        with self._lock:
-            stream = self._streams.get(output.request_id)
-            if output.finished:
-                self._streams.pop(output.request_id, None)
-        if stream is not None:
-            stream.put(output)
+                    deliver(self, [output])
 
     def _fail(self, request_id: str, exc: BaseException) -> None:
         with self._lock:

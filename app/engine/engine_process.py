@@ -28,11 +28,11 @@ import threading
 import time
 from collections.abc import AsyncIterator
 
-from app.engine.async_engine import STATS_INTERVAL_S, Command, _Stream, stream_request
+from app.engine.async_engine import STATS_INTERVAL_S, Command, _Stream, deliver, stream_request
 from app.engine.config import EngineConfig
 from app.engine.cpu_team import on_passing_thread
 from app.engine.errors import EngineDeadError
-from app.engine.outputs import EngineStats
+from app.engine.outputs import EngineStats, pack_outputs, unpack_outputs
 from app.engine.sampling_params import SamplingParams, validate_request
 from app.heap import freeze_startup_heap
 
@@ -136,11 +136,10 @@ class EngineProcess:
                 kind, *rest = self._conn.recv()
                 self._last_heard = time.monotonic()
                 if kind == "outputs":
-                    outputs, stats = rest
+                    packed, stats = rest
                     if stats is not None:
                         self._stats = stats
-                    for output in outputs:
-                        self._deliver(output.request_id, output, output.finished)
+                    deliver(self, unpack_outputs(packed))
                 elif kind == "failed":  # a request the engine refused when it arrived
                     self._deliver(rest[0], rest[1], True)
                 elif kind == "lora":
@@ -220,7 +219,7 @@ def _child_main(config: EngineConfig, adapters: dict[str, str], cpu_threads: int
             stats = None
             if not engine.has_unfinished_requests() or time.monotonic() - stats_at > STATS_INTERVAL_S:
                 stats, stats_at = engine.stats(), time.monotonic()
-            conn.send(("outputs", outputs, stats))
+            conn.send(("outputs", pack_outputs(outputs), stats))
     except EOFError:  # the replica is gone: nobody is left to serve
         return
     except BaseException as exc:  # noqa: BLE001 - the engine is gone; say why before leaving

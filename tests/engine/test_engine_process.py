@@ -2,12 +2,17 @@
 leaving aborts, bad requests and adapters fail alone, and a dead process ends every stream."""
 import asyncio
 import os
+import pickle
 import signal
+from dataclasses import fields
 
+import numpy as np
 import pytest
 
 from app.engine import EngineConfig, EngineDeadError, InvalidRequestError, SamplingParams
+from app.engine import engine_process, outputs
 from app.engine.engine_process import EngineProcess
+from app.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, pack_outputs, unpack_outputs
 from tests.conftest import leave_a_stream_early, make_engine, random_prompts, stream_tokens
 from tests.engine.test_lora import adapter_dirs, expected  # noqa: F401 - fixtures
 
@@ -104,7 +109,7 @@ def test_a_reader_that_fails_ends_every_stream(tiny_llama_dir, monkeypatch):
     async def main():
         stream = engine.generate("long", PROMPTS[0], SamplingParams(max_tokens=400, ignore_eos=True))
         await anext(stream)
-        monkeypatch.setattr(engine, "_deliver", broken)
+        monkeypatch.setattr(engine_process, "deliver", broken)
 
         async def drain():
             async for _ in stream:
@@ -123,3 +128,28 @@ def test_a_reader_that_fails_ends_every_stream(tiny_llama_dir, monkeypatch):
 def test_a_broken_start_is_one_sentence(tmp_path):
     with pytest.raises(RuntimeError, match="could not start"):
         EngineProcess(EngineConfig(model=str(tmp_path / "nothing")))
+
+
+def test_outputs_cross_the_pipe_unchanged_plain_ones_as_tuples():
+    """pack_outputs / unpack_outputs: a plain delta travels as a tuple and comes back equal; one
+    with any extra (logprobs, alternatives, logits, metrics, an error, prompt logprobs, several
+    outputs) travels whole. A field added to either dataclass must be taught to the packer."""
+    plain = [RequestOutput("a", [CompletionOutput(0, [5, 6], None, 0.0)], False),
+             RequestOutput("b", [CompletionOutput(2, [7], None, -1.5, "length", None)], True),
+             RequestOutput("c", [CompletionOutput(0, [], None, 0.0, "stop", [3, 4])], True)]
+    metrics = RequestMetrics(1, 2, 3, 4, 5, 6, 7, 8)
+    rich = [RequestOutput("d", [CompletionOutput(0, [5], [-0.1], -0.1)], False),
+            RequestOutput("e", [CompletionOutput(0, [5], None, 0.0, top_logprobs=[([5], [-0.1])])], False),
+            RequestOutput("f", [CompletionOutput(0, [5], None, 0.0, generation_logits=np.zeros((1, 4)))], False),
+            RequestOutput("g", [CompletionOutput(0, [5], None, 0.0, "length")], True, metrics),
+            RequestOutput("h", [], True, error="the step failed"),
+            RequestOutput("i", [CompletionOutput(0, [5], None, 0.0)], False, prompt_logprobs=[None, -0.5]),
+            RequestOutput("j", [CompletionOutput(0, [5], None, 0.0)], False, context_logits=np.zeros((2, 4))),
+            RequestOutput("k", [CompletionOutput(0, [5], None, 0.0), CompletionOutput(1, [6], None, 0.0)], False)]
+    packed = pickle.loads(pickle.dumps(pack_outputs(plain + rich)))
+    assert [type(p) for p in packed] == [tuple] * len(plain) + [RequestOutput] * len(rich)
+    unpacked = unpack_outputs(packed)
+    assert unpacked[:len(plain)] == plain
+    assert [o.request_id for o in unpacked[len(plain):]] == [o.request_id for o in rich]
+    assert {f.name for f in fields(RequestOutput)} == outputs._KNOWN_REQUEST_FIELDS
+    assert {f.name for f in fields(CompletionOutput)} == outputs._KNOWN_OUTPUT_FIELDS

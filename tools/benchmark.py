@@ -99,8 +99,8 @@ def _round_trip_runs(run, wl, vocab: int, args) -> list:
     """A run of the workload per --round-trip-ms, each on prompts of its own (one run: as drawn)."""
     if args.round_trip_ms == [0.0]:
         return [run(wl, "ours")]
-    return [run(replace(fresh_prompts(wl, vocab, run_seed(args.seed, "round trip", ms)), round_trip_s=ms / 1e3),
-                f"ours, round trip {ms:g} ms") for ms in args.round_trip_ms]
+    return [run(replace(fresh_prompts(wl, vocab, run_seed(args.seed, "round trip", i, ms)), round_trip_s=ms / 1e3),
+                f"ours, round trip {ms:g} ms") for i, ms in enumerate(args.round_trip_ms)]
 
 
 def _engine_process_command(args, config: EngineConfig) -> dict:
@@ -119,7 +119,8 @@ def _engine_process_command(args, config: EngineConfig) -> dict:
                                    vocab, args)
     finally:
         engine.shutdown()
-    return _engine_report(args, results, config.model, config.dtype)
+    dtype = resolve_dtype(config.dtype, torch.device(config.device))
+    return _engine_report(args, results, config.model, str(dtype))
 
 
 def _engine_report(args, results: list, model_dir: str, dtype: str) -> dict:
@@ -311,8 +312,9 @@ def main(argv=None) -> None:
     e.add_argument("--input-len", default="64:128", help="prompt tokens, N or LO:HI (uniform)")
     e.add_argument("--output-len", default="64", help="output tokens, N or LO:HI (uniform)")
     e.add_argument("--round-trip-ms", type=float, nargs="+", default=[0.0],
-                   help="closed loop: a finished request's next one arrives this long after its last step "
-                        "(a client's round trip through a serving path); several: a run each, on fresh prompts")
+                   help="closed loop: a finished request's next one arrives this long after it ended (its "
+                        "last step; with --engine-process, its last output's delivery): a client's round trip "
+                        "through a serving path; several: a run each, on fresh prompts")
     e.add_argument("--engine-process", action="store_true",
                    help="run the engine in a process of its own and the workload over its pipe, as a GPU Engine "
                         "replica does (app/engine/engine_process.py), instead of in this process")

@@ -141,7 +141,7 @@ class EngineProcess:
                         self._stats = stats
                     deliver(self, unpack_outputs(packed))
                 elif kind == "failed":  # a request the engine refused when it arrived
-                    self._deliver(rest[0], rest[1], True)
+                    self._fail(*rest)
                 elif kind == "lora":
                     token, error, stats = rest
                     self._stats = stats
@@ -158,11 +158,11 @@ class EngineProcess:
             # every stream would stall until the stuck check, and new ones would still be taken.
             self._fail_everything(f"its reader failed ({type(exc).__name__}: {exc})")
 
-    def _deliver(self, request_id: str, item, last: bool) -> None:
+    def _fail(self, request_id: str, exc: BaseException) -> None:
         with self._lock:
-            stream = self._streams.pop(request_id, None) if last else self._streams.get(request_id)
+            stream = self._streams.pop(request_id, None)
         if stream is not None:
-            stream.put(item)
+            stream.put(exc)
 
     def _fail_everything(self, reason: str) -> None:
         logger.error("engine process died: %s", reason)
@@ -240,7 +240,8 @@ def _apply(engine, conn, command: Command, arg) -> None:
     elif command is Command.ABORT:
         output = engine.abort_request(arg)
         if output is not None:
-            conn.send(("outputs", [output], engine.stats() if not engine.has_unfinished_requests() else None))
+            stats = engine.stats() if not engine.has_unfinished_requests() else None
+            conn.send(("outputs", pack_outputs([output]), stats))
 
 
 def _register(engine, conn, token: int, name: str, path: str, prepared: concurrent.futures.Future) -> None:

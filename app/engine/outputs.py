@@ -72,11 +72,10 @@ class RequestOutput:
 
 
 # A plain delta as it crosses a process boundary (the engine's own process to its replica): one
-# output and none of the extras (logprobs, logits, metrics, an error) travels as a tuple. At 256
-# requests a step on the 2-core dev box (python -m tools.bench.pipe_cost): 0.6-1.1 ms to pickle the
-# RequestOutputs against 0.4 ms to pack and pickle the tuples, and 2.8-2.9 ms against 0.5 ms
-# through a pipe whose reader thread shares the GIL, on the engine loop's thread. Anything else
-# goes whole. The fields _pack looks at (a test keeps them equal to the dataclasses' own):
+# output and none of the extras (logprobs, logits, metrics, an error) travels as a tuple. Writing a
+# step of 256 requests' deltas into the pipe took the engine loop's thread 1.1-1.3 ms as
+# RequestOutputs and 0.3 ms as tuples on the 2-core dev box (python -m tools.bench.pipe_cost).
+# Anything else goes whole. The fields _pack looks at (a test keeps them equal to the dataclasses' own):
 _KNOWN_REQUEST_FIELDS = {"request_id", "outputs", "finished", "metrics", "prompt_logprobs",
                          "prompt_top_logprobs", "context_logits", "error"}
 _KNOWN_OUTPUT_FIELDS = {"index", "token_ids", "logprobs", "cumulative_logprob", "finish_reason", "stop_reason",
@@ -99,8 +98,14 @@ def _pack(out: RequestOutput):
 
 
 def unpack_outputs(packed: list) -> list[RequestOutput]:
-    return [RequestOutput(p[0], [CompletionOutput(p[2], p[3], None, p[4], p[5], p[6])], p[1])
-            if type(p) is tuple else p for p in packed]
+    """pack_outputs' list back as RequestOutputs, equal to those packed."""
+    return [_unpack(*p) if type(p) is tuple else p for p in packed]
+
+
+def _unpack(request_id, finished, index, token_ids, cumulative_logprob, finish_reason, stop_reason) -> RequestOutput:
+    output = CompletionOutput(index=index, token_ids=token_ids, logprobs=None, cumulative_logprob=cumulative_logprob,
+                              finish_reason=finish_reason, stop_reason=stop_reason)
+    return RequestOutput(request_id=request_id, outputs=[output], finished=finished)
 
 
 @dataclass

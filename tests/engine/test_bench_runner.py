@@ -64,7 +64,7 @@ def test_a_round_trip_holds_a_freed_slot_back_and_counts_from_its_return(tiny_ll
     last_of_0 = next(started + took for started, took, _, finished in steps if any(finished))
     first_with_1 = next(started for started, _, added, _ in steps if added == 2)
     assert first_with_1 - last_of_0 >= 0.3, steps
-    assert result.ttft_ms["p99"] < 150, result.ttft_ms  # request 0's and request 1's: their own steps only
+    assert result.ttft_ms["p99"] < 240, result.ttft_ms  # their own steps only, not the 300 ms round trip
 
 
 def test_output_lengths_drawn_from_a_range_are_what_each_request_generates(tiny_llama_dir):
@@ -88,4 +88,4 @@ def test_the_engine_process_runner_streams_each_request_its_own_length_and_waits
     finally:
         engine.shutdown()
     assert result.output_lens == workload.output_lens
-    assert result.wall_s >= 0.6 and result.ttft_ms["p99"] < 150, (result.wall_s, result.ttft_ms)
+    assert result.wall_s >= 0.6 and result.ttft_ms["p99"] < 240, (result.wall_s, result.ttft_ms)

@@ -12,6 +12,32 @@ from tools.bench.report import RequestTiming, RunResult, summarize
 from tools.bench.workload import Workload
 
 
+class _Slots:
+    """The workload's slots (wl.concurrency): when each free one came free, and when those whose
+    request has ended come back (round_trip_s after the step that ended it; at once without one)."""
+
+    def __init__(self, count: int, start: float, round_trip_s: float):
+        self.free = deque([start] * count)
+        self.returning: deque[float] = deque()
+        self.round_trip_s = round_trip_s
+
+    def release(self, ended: float) -> None:
+        self.returning.append(ended + self.round_trip_s)
+
+    def collect(self, now: float) -> None:
+        while self.returning and self.returning[0] <= now:
+            self.free.append(self.returning.popleft())
+
+    def next_event(self, wl: Workload, next_i: int, start: float) -> float | None:
+        """When (seconds from the start) the loop next has a request to take: one due in a free
+        slot, or a slot coming back; None when none is (every request taken, or every slot held)."""
+        if next_i >= wl.num_requests:
+            return None
+        if self.free and wl.arrivals_s is not None:
+            return wl.arrivals_s[next_i]
+        return self.returning[0] - start if self.returning else None
+
+
 def run_engine(engine: LLMEngine, wl: Workload, name: str = "ours",
                on_step: Callable[[float, float, int, list], None] | None = None) -> RunResult:
     """Each request's TTFT and latency count from its arrival: when the workload says it is due, or,
@@ -30,31 +56,28 @@ def run_engine(engine: LLMEngine, wl: Workload, name: str = "ours",
     steps_before = engine.num_steps
     queued_before = (engine.clock.queued, engine.clock.queued_late) if engine.clock is not None else (0, 0)
     start = time.perf_counter()
-    free_slots = deque([start] * wl.concurrency)  # when each free slot came free
-    returning: deque[float] = deque()  # slots whose next request is still on its way back
+    slots = _Slots(wl.concurrency, start, wl.round_trip_s)
     next_i = 0
     while next_i < wl.num_requests or engine.has_unfinished_requests():
-        while returning and returning[0] <= time.perf_counter():
-            free_slots.append(returning.popleft())
+        slots.collect(time.perf_counter())
         now = time.perf_counter() - start
-        while next_i < wl.num_requests and free_slots and (wl.arrivals_s is None or wl.arrivals_s[next_i] <= now):
+        while next_i < wl.num_requests and slots.free and (wl.arrivals_s is None or wl.arrivals_s[next_i] <= now):
             rid = f"bench-{next_i}"
             adapter = wl.adapters[next_i] if wl.adapters else None
             own = replace(params, max_tokens=wl.output_lens[next_i]) if wl.output_lens else params
             engine.add_request(rid, wl.prompts[next_i], own, adapter_id=adapter)
             due = start + wl.arrivals_s[next_i] if wl.arrivals_s is not None else start
-            arrived[rid] = max(due, free_slots.popleft())
+            arrived[rid] = max(due, slots.free.popleft())
             next_i += 1
-        # When the loop has something to take next: a request due in a free slot, or a slot coming back.
-        upcoming = [returning[0] - start] if returning else []
-        if next_i < wl.num_requests and free_slots and wl.arrivals_s is not None:
-            upcoming.append(wl.arrivals_s[next_i])
+        upcoming = slots.next_event(wl, next_i, start)
         if not engine.has_unfinished_requests():
-            time.sleep(max(0.0, min(upcoming) - (time.perf_counter() - start)))
+            if upcoming is None:  # requests left, none in the engine, no slot free or coming back
+                raise RuntimeError("a request left the engine without a finished output: its slot never came back")
+            time.sleep(max(0.0, upcoming - (time.perf_counter() - start)))
             continue
         wait = engine.seconds_to_plan()  # as the serving loops do: take arrivals until the step computing nearly ends
         if wait > 0:
-            time.sleep(max(0.0, min([wait, *(u - now for u in upcoming)])))
+            time.sleep(max(0.0, wait if upcoming is None else min(wait, upcoming - now)))
             continue
         before = time.perf_counter()
         outputs = engine.step()
@@ -63,7 +86,7 @@ def run_engine(engine: LLMEngine, wl: Workload, name: str = "ours",
             chunks.setdefault(out.request_id, []).append(t)
             tokens[out.request_id] = tokens.get(out.request_id, 0) + sum(len(c.token_ids) for c in out.outputs)
             if out.finished:
-                (returning if wl.round_trip_s else free_slots).append(t + wl.round_trip_s)
+                slots.release(t)
         if on_step is not None:
             on_step(before - start, t - before, next_i, outputs)
     wall = time.perf_counter() - start

@@ -5,9 +5,10 @@ deltas, one token each, as a step at N streams sends them.
     python -m tools.bench.pipe_cost --streams 256 [--json FILE]
 
 - pickle: building the message, on the engine loop's thread;
-- send: pickle and write through a multiprocessing Pipe whose reader is a thread of this process
-  (as the replica's reader thread is of the replica: both want the GIL);
-- receive: unpickle, and for the tuples rebuild the RequestOutputs, on the reader's side.
+- send: pickling and writing it into a multiprocessing Pipe read by another process, as the
+  engine's process sends to its replica (a reader that falls behind makes the writer wait);
+- receive: unpickling, and for the tuples rebuilding the RequestOutputs, on the replica's reader
+  thread.
 """
 from __future__ import annotations
 
@@ -16,7 +17,6 @@ import json
 import multiprocessing
 import pickle
 import statistics
-import threading
 import time
 
 from app.engine.outputs import CompletionOutput, RequestOutput, pack_outputs, unpack_outputs
@@ -33,20 +33,23 @@ def _ms(fn, repeats: int) -> float:
     return statistics.median(rounds)
 
 
+def _drain(receiver) -> None:
+    """The other process's end: read messages until the sender closes."""
+    while True:
+        try:
+            receiver.recv()
+        except (EOFError, OSError):
+            return
+
+
 def measure(streams: int, repeats: int) -> dict:
     outputs = [RequestOutput(f"bench-{i}", [CompletionOutput(0, [1000 + i], None, 0.0)], False) for i in range(streams)]
     forms = {"dataclasses": lambda: outputs, "tuples": lambda: pack_outputs(outputs)}
-    sender, receiver = multiprocessing.Pipe()
-
-    def read():
-        while True:
-            try:
-                receiver.recv()
-            except (EOFError, OSError):
-                return
-
-    reader = threading.Thread(target=read, daemon=True)
+    context = multiprocessing.get_context("spawn")
+    receiver, sender = context.Pipe(duplex=False)
+    reader = context.Process(target=_drain, args=(receiver,), daemon=True)
     reader.start()
+    receiver.close()
     result = {}
     for name, form in forms.items():
         message = pickle.dumps(("outputs", form(), None))
@@ -57,6 +60,7 @@ def measure(streams: int, repeats: int) -> dict:
             "receive_ms": _ms(lambda: unpack(pickle.loads(message)[1]), repeats),
             "bytes": len(message)}
     sender.close()
+    reader.join(timeout=10)
     return {"streams": streams, **result}
 
 

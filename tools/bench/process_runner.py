@@ -20,7 +20,8 @@ def run_engine_process(engine: EngineProcess, wl: Workload, name: str) -> RunRes
 
 async def _run(engine: EngineProcess, wl: Workload, name: str) -> RunResult:
     """wl.concurrency clients, each taking the workload's next request once it is due and the
-    client's last one has come back (its end, plus wl.round_trip_s); TTFT counts from then."""
+    client's last one has come back: wl.round_trip_s after its last output reached this side of the
+    pipe (so the pipe's way back counts too, as it does for a replica's client). TTFT counts from then."""
     if wl.adapters or wl.guide:
         raise ValueError("the engine-process runner takes plain requests (no adapters, no guide)")
     params = SamplingParams(max_tokens=wl.output_len, temperature=wl.temperature, top_p=wl.top_p,

@@ -18,8 +18,9 @@ class Workload:
     temperature: float = 0.0  # 0: greedy; else every request samples (unseeded), as most sampled traffic does
     top_p: float = 1.0
     guide: str | None = None  # a JSON schema (text) every request's output is held to
-    # Closed loop: a finished request's slot takes its next request this long after the step that
-    # ended it (the client's round trip through a serving path); the engine benchmark only.
+    # Closed loop: a finished request's slot takes its next request this long after the request
+    # ended (the client's round trip through a serving path); the engine runners only (run_engine
+    # counts from the step that ended it, run_engine_process from its last output's delivery).
     round_trip_s: float = 0.0
 
     @property

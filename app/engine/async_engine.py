@@ -94,6 +94,14 @@ def deliver(engine, outputs: list[RequestOutput]) -> None:
             pass
 
 
+def fail_request(engine, request_id: str, exc: BaseException) -> None:
+    """Both engines': a request refused on arrival ends its stream with `exc`."""
+    with engine._lock:
+        stream = engine._streams.pop(request_id, None)
+    if stream is not None:
+        stream.put(exc)
+
+
 def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
     for queue_, out in items:
         queue_.put_nowait(out)
@@ -243,7 +251,7 @@ class AsyncLLMEngine:
                 try:
                     self.engine.add_request(request_id, prompt, params, adapter_id, arrival)
                 except Exception as exc:  # noqa: BLE001 - a bad request fails alone
-                    self._fail(request_id, exc)
+                    fail_request(self, request_id, exc)
             elif command is Command.ADD_LORA:
                 name, path, prepared, done = arg
                 try:
@@ -256,9 +264,3 @@ class AsyncLLMEngine:
                 output = self.engine.abort_request(arg)
                 if output is not None:
                     deliver(self, [output])
-
-    def _fail(self, request_id: str, exc: BaseException) -> None:
-        with self._lock:
-            stream = self._streams.pop(request_id, None)
-        if stream is not None:
-            stream.put(exc)

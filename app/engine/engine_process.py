@@ -28,7 +28,7 @@ import threading
 import time
 from collections.abc import AsyncIterator
 
-from app.engine.async_engine import STATS_INTERVAL_S, Command, _Stream, deliver, stream_request
+from app.engine.async_engine import STATS_INTERVAL_S, Command, _Stream, deliver, fail_request, stream_request
 from app.engine.config import EngineConfig
 from app.engine.cpu_team import on_passing_thread
 from app.engine.errors import EngineDeadError
@@ -141,7 +141,7 @@ class EngineProcess:
                         self._stats = stats
                     deliver(self, unpack_outputs(packed))
                 elif kind == "failed":  # a request the engine refused when it arrived
-                    self._fail(*rest)
+                    fail_request(self, *rest)
                 elif kind == "lora":
                     token, error, stats = rest
                     self._stats = stats
@@ -157,12 +157,6 @@ class EngineProcess:
         except Exception as exc:  # noqa: BLE001 - a message this side cannot take: without its reader
             # every stream would stall until the stuck check, and new ones would still be taken.
             self._fail_everything(f"its reader failed ({type(exc).__name__}: {exc})")
-
-    def _fail(self, request_id: str, exc: BaseException) -> None:
-        with self._lock:
-            stream = self._streams.pop(request_id, None)
-        if stream is not None:
-            stream.put(exc)
 
     def _fail_everything(self, reason: str) -> None:
         logger.error("engine process died: %s", reason)

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from app.engine.models.kernels import FP8, FP8_MAX, TorchKernels, fp8_linear, quantize_weight, with_delta
+from app.engine.models.kernels import FP8, TorchKernels, fp8_linear, quantize_weight, with_delta
 from app.engine.parallel import SINGLE, TensorParallel
 
 

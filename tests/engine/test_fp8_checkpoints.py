@@ -13,7 +13,8 @@ from safetensors.torch import load_file, save_file
 
 from app.engine import SamplingParams
 from app.engine.model_loader import load_model
-from app.engine.models.layers import FP8, FP8_MAX, MergedLinear
+from app.engine.models.kernels import FP8_MAX
+from app.engine.models.layers import FP8, MergedLinear
 from app.engine.parallel import ParallelLayout, TensorParallel
 from app.text import Tokenizer
 from tests.conftest import make_engine

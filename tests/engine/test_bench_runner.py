@@ -79,7 +79,8 @@ def test_output_lengths_drawn_from_a_range_are_what_each_request_generates(tiny_
 def test_the_engine_process_runner_streams_each_request_its_own_length_and_waits_out_the_round_trip(tiny_llama_dir):
     """Through the engine's own process (as a GPU Engine replica runs it): every request generates
     the length drawn for it, and with one client the second request starts only once the first has
-    come back (0.3 s after its end), its TTFT counted from then."""
+    come back (0.3 s after its end), its TTFT counted from then. The engine's steps are counted: one
+    request at a time makes a token a step."""
     engine = EngineProcess(EngineConfig(model=str(tiny_llama_dir),
                                         kv_cache_config={"max_tokens": 4096, "tokens_per_block": 8}), cpu_threads=1)
     try:
@@ -89,3 +90,4 @@ def test_the_engine_process_runner_streams_each_request_its_own_length_and_waits
         engine.shutdown()
     assert result.output_lens == workload.output_lens
     assert result.wall_s >= 0.6 and result.ttft_ms["p99"] < 240, (result.wall_s, result.ttft_ms)
+    assert sum(workload.output_lens) <= result.extra["steps"] <= sum(workload.output_lens) + 3, result.extra

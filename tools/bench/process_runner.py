@@ -27,6 +27,7 @@ async def _run(engine: EngineProcess, wl: Workload, name: str) -> RunResult:
     params = SamplingParams(max_tokens=wl.output_len, temperature=wl.temperature, top_p=wl.top_p,
                             ignore_eos=wl.ignore_eos)
     timings: list[RequestTiming | None] = [None] * wl.num_requests
+    steps_before = engine.stats().steps
     start = time.perf_counter()
     taken = iter(range(wl.num_requests))
 
@@ -46,6 +47,8 @@ async def _run(engine: EngineProcess, wl: Workload, name: str) -> RunResult:
             free_since = chunks[-1] + wl.round_trip_s
 
     await asyncio.gather(*(client() for _ in range(wl.concurrency)))
-    result = summarize(name, time.perf_counter() - start, timings, sum(len(p) for p in wl.prompts))
+    wall = time.perf_counter() - start
+    extra = {"steps": engine.stats().steps - steps_before}  # the last step's message carried the idle snapshot
+    result = summarize(name, wall, timings, sum(len(p) for p in wl.prompts), extra)
     result.output_lens = [t.output_tokens for t in timings]
     return result

@@ -24,15 +24,19 @@ import asyncio
 import functools
 import json
 import multiprocessing
+import os
 import queue
 import time
 from dataclasses import replace
+from pathlib import Path
 
 import aiohttp
 from tqdm import tqdm
 
 from tools.bench.report import RequestTiming, RunResult, summarize
 from tools.bench.workload import Workload
+
+MARK_START_ENV = "BENCH_MARK_START"  # a file to touch when a measured run starts
 
 # The engine's perf-metric stamps (<stage>_time_ns, wall clock) a request's final event carries.
 ENGINE_STAMPS = ("arrival", "first_scheduled", "first_token", "last_token")
@@ -123,10 +127,12 @@ def _result(name: str, wall_s: float, timings: list[RequestTiming], wl: Workload
     return result
 
 
-async def run_http(url: str, route: str, model: str, wl: Workload, name: str, stamps: bool = False) -> RunResult:
+async def run_http(url: str, route: str, model: str, wl: Workload, name: str, stamps: bool = False,
+                   mark_start: bool = False) -> RunResult:
     """One level of load from this process. `stamps`: the result keeps each request's wall-clock stamps
-    (Triton route; tools/bench/arrivals.py reads them)."""
-    start, end, timings = await _timed(url, route, model, wl, name)
+    (Triton route; tools/bench/arrivals.py reads them). `mark_start`: touch $BENCH_MARK_START, if set,
+    as the load starts (a warm-up does not)."""
+    start, end, timings = await _timed(url, route, model, wl, name, mark_start=mark_start)
     return _result(name, end - start, timings, wl, stamps)
 
 
@@ -135,7 +141,7 @@ def run_load(url: str, route: str, model: str, wl: Workload, name: str, processe
     """One level of load from `processes` client processes; wall time from their common start to the
     last one's end."""
     if processes <= 1:
-        return asyncio.run(run_http(url, route, model, wl, name, stamps))
+        return asyncio.run(run_http(url, route, model, wl, name, stamps, mark_start=True))
     processes = min(processes, wl.concurrency, wl.num_requests)
     ctx = multiprocessing.get_context("spawn")  # no fork of a parent that may hold CUDA or threads
     barrier, results = ctx.Barrier(processes), ctx.Queue()
@@ -176,13 +182,13 @@ def _slice(wl: Workload, k: int, processes: int) -> Workload:
 
 def _client_process(url, route, model, wl, name, barrier, results, k) -> None:
     try:
-        results.put((k, *asyncio.run(_timed(url, route, model, wl, name, barrier))))
+        results.put((k, *asyncio.run(_timed(url, route, model, wl, name, barrier, mark_start=k == 0))))
     except BaseException as exc:  # the parent waits for one item per process
         results.put(f"{type(exc).__name__}: {exc}")
 
 
-async def _timed(url: str, route: str, model: str, wl: Workload, name: str,
-                 barrier=None) -> tuple[float, float, list[RequestTiming]]:
+async def _timed(url: str, route: str, model: str, wl: Workload, name: str, barrier=None,
+                 mark_start: bool = False) -> tuple[float, float, list[RequestTiming]]:
     """Run a workload; (start, end, timings) on the host's monotonic clock, which all processes share."""
     gate = asyncio.Semaphore(wl.concurrency)
     bar = tqdm(total=wl.num_requests, desc=name, unit="req", leave=False, disable=barrier is not None)
@@ -196,6 +202,8 @@ async def _timed(url: str, route: str, model: str, wl: Workload, name: str,
         if barrier is not None:
             await asyncio.to_thread(barrier.wait, 300)  # all connected, or BrokenBarrierError for all
         start = time.perf_counter()
+        if mark_start and os.environ.get(MARK_START_ENV):  # a profiler waits for it (tools/gpu/serve_bench.sh)
+            Path(os.environ[MARK_START_ENV]).touch()
 
         async def launch(i: int) -> RequestTiming:
             if wl.arrivals_s is not None:

@@ -24,6 +24,8 @@
 #   fp8        quantization: fp8 in a copy of the config; the engine and dag steps after it use it
 #   kv8        kv_cache_config.dtype: fp8 in a copy of the config, likewise
 #   tokens     max_num_tokens: MAX_NUM_TOKENS in a copy of the config, likewise (the 8B config has 2,048)
+#   graphs     piecewise_graph_max_tokens: PIECEWISE_MAX_TOKENS in a copy of the config, likewise (default
+#              512: a step of more tokens, e.g. 256 decodes beside three 128-token prompts, runs op by op)
 #   late       late_planning: true in a copy of the config, likewise (the overlap scheduler plans each
 #              step just before the one computing ends, app/engine/step_clock.py; off by default)
 #   engine     the engine alone on the same workloads, in a process of its own (no server running)
@@ -132,6 +134,11 @@ tokens() {  # a copy of the config with MAX_NUM_TOKENS tokens a step
       "max_num_tokens: $MAX_NUM_TOKENS"
 }
 
+graphs() {  # a copy of the config whose prefill steps replay from graphs up to PIECEWISE_MAX_TOKENS tokens
+  with_key "graphs-${PIECEWISE_MAX_TOKENS:?graphs: set PIECEWISE_MAX_TOKENS}" piecewise_graph_max_tokens \
+      "$PIECEWISE_MAX_TOKENS"
+}
+
 tokenizer() {
   timeout 120 "$PY" tools/gpu/make_tokenizer.py "$SHAPE"
 }
@@ -150,21 +157,28 @@ replica_pids() {  # name (Engine, Detokenizer, Ingress, ProxyActor): pids of our
       '$2 == sid && $0 ~ ("ray::(ServeReplica:llm:" n "|" n ")") {print $1}'
 }
 
-profile() {  # seconds: py-spy and top on the replicas and the proxy while the load runs
-  local secs=$1 pid name jobs=()
-  for name in Engine Detokenizer Ingress ProxyActor; do
-    pid=$(replica_pids "$name" | head -1)
+engine_child_pid() {  # the engine's own process (app/engine/engine_process.py), a child of the Engine replica
+  local replica; replica=$(replica_pids Engine | head -1)
+  [[ -n $replica ]] && ps -eo pid=,ppid=,args= | awk -v p="$replica" '$2 == p && /spawn_main/ && !/resource_tracker/ {print $1}' | head -1
+}
+
+profile() {  # seconds tag: py-spy and top on the replicas and the engine's process while the load runs
+  local secs=$1 tag=$2 pid name idle jobs=()
+  for name in Engine EngineCore Detokenizer Ingress; do
+    idle=()
+    if [[ $name == EngineCore ]]; then pid=$(engine_child_pid); idle=(--idle)  # its waits (poll, send) count
+    else pid=$(replica_pids "$name" | head -1); fi
     [[ -z $pid ]] && { echo "profile: no $name process"; continue; }
-    "$bin/py-spy" dump --pid "$pid" > "$out/pyspy-dump-$name.txt" 2>&1
-    timeout $((secs + 20)) "$bin/py-spy" record --pid "$pid" --duration "$secs" --rate 50 --threads \
-        --nonblocking --format raw --output "$out/pyspy-$name.txt" > "$out/pyspy-$name.log" 2>&1 &
+    "$bin/py-spy" dump --pid "$pid" > "$out/pyspy-dump-$tag-$name.txt" 2>&1
+    timeout $((secs + 20)) "$bin/py-spy" record --pid "$pid" --duration "$secs" --rate 50 --threads "${idle[@]}" \
+        --nonblocking --format raw --output "$out/pyspy-$tag-$name.txt" > "$out/pyspy-$tag-$name.log" 2>&1 &
     jobs+=($!)
   done
-  top -b -c -w 250 -d 5 -n $((secs / 5 + 1)) > "$out/top.txt" 2>&1 &
+  top -b -c -w 250 -d 1 -n "$secs" > "$out/top-$tag.txt" 2>&1 &
   jobs+=($!)
-  pid=$(replica_pids Engine | head -1)
+  pid=$(engine_child_pid)
   if [[ -n $pid ]]; then
-    top -H -b -w 250 -d 5 -n $((secs / 5 + 1)) -p "$pid" > "$out/top-engine-threads.txt" 2>&1 &
+    top -H -b -w 250 -d 1 -n "$secs" -p "$pid" > "$out/top-$tag-engine-core-threads.txt" 2>&1 &
     jobs+=($!)
   fi
   wait "${jobs[@]}"
@@ -200,20 +214,29 @@ dag() {
   if (( ready )); then
     nvidia-smi --query-gpu=name,memory.used --format=csv,noheader
     local url=(--url "http://127.0.0.1:$PORT" --client-processes ${CLIENTS:-4 8 1})
-    # Each route's highest level first: its numbers, the profile (first route only) and the client
-    # check matter most. ROUTES sets the order (a route run later finds the server warmer).
-    local route profiled=$(( ${PROFILE_SECONDS:-15} <= 0 )) bench_pid  # PROFILE_SECONDS=0: no profile
+    # Each route's highest level first: its numbers, the profile (first route only, or each with
+    # PROFILE_EVERY=1) and the client check matter most. ROUTES sets the order (a route run later
+    # finds the server warmer; a route named twice runs twice, dag-triton-2-*.json the second time).
+    local route profiled=$(( ${PROFILE_SECONDS:-6} <= 0 )) bench_pid  # PROFILE_SECONDS=0: no profile
+    local -A seen=() started=/tmp/llm-serve-bench-started  # the clients touch it as the measured run starts
     for route in ${ROUTES:-triton openai}; do
+      seen[$route]=$(( ${seen[$route]:-0} + 1 ))
+      local run=$route; (( ${seen[$route]} > 1 )) && run=$route-${seen[$route]}  # dag-triton-2-high.json
       local stamps=()  # STAMPS=1: each request's stamps in the JSON (tools/bench/arrivals.py; Triton route only)
       [[ -n ${STAMPS:-} && $route == triton ]] && stamps=(--request-stamps)
-      timeout "${HIGH_TIMEOUT:-250}" "${bench[@]}" "${url[@]}" "${stamps[@]}" --route "$route" --concurrency $HIGH \
-          --num-requests $HIGH_REQUESTS --json "$out/dag-$route-high.json" > "$out/dag-$route-high.log" 2>&1 &
+      rm -f "$started"
+      BENCH_MARK_START=$started timeout "${HIGH_TIMEOUT:-250}" "${bench[@]}" "${url[@]}" "${stamps[@]}" \
+          --route "$route" --concurrency $HIGH --num-requests $HIGH_REQUESTS --json "$out/dag-$run-high.json" \
+          > "$out/dag-$run-high.log" 2>&1 &
       bench_pid=$!
-      if (( ! profiled )); then sleep "${PROFILE_DELAY:-15}"; profile "${PROFILE_SECONDS:-15}"; profiled=1; fi
-      wait "$bench_pid"; echo "dag-$route-high rc=$?"; tail -4 "$out/dag-$route-high.log"; pack
+      if (( ! profiled )); then  # PROFILE_DELAY seconds into the measured run
+        while [[ ! -e $started ]] && kill -0 "$bench_pid" 2>/dev/null; do sleep 0.2; done
+        sleep "${PROFILE_DELAY:-2}"; profile "${PROFILE_SECONDS:-6}" "$run"; profiled=$(( ! ${PROFILE_EVERY:-0} ))
+      fi
+      wait "$bench_pid"; echo "dag-$run-high rc=$?"; tail -4 "$out/dag-$run-high.log"; pack
       timeout 150 "${bench[@]}" "${url[@]}" "${stamps[@]}" --route "$route" --concurrency $LOW --num-requests $LOW_REQUESTS \
-          --json "$out/dag-$route.json" > "$out/dag-$route.log" 2>&1
-      echo "dag-$route rc=$?"; tail -5 "$out/dag-$route.log"; pack
+          --json "$out/dag-$run.json" > "$out/dag-$run.log" 2>&1
+      echo "dag-$run rc=$?"; tail -5 "$out/dag-$run.log"; pack
     done
   else
     tail -40 "$out/serve.log"

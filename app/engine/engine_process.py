@@ -64,7 +64,8 @@ class EngineProcess:
         self._streams: dict[str, _Stream] = {}
         self._pending_loras: dict[int, concurrent.futures.Future] = {}
         self._tokens = itertools.count()
-        self._dead: str | None = None
+        self._dead: str | None = None  # why the engine is gone, as EngineDeadError says it
+        self._stopping = False  # shutdown() asked the child to stop: its end is no death to report
         self._last_heard = time.monotonic()
         self._reader = threading.Thread(target=self._read, name="engine-core-reader", daemon=True)
         self._reader.start()
@@ -111,6 +112,7 @@ class EngineProcess:
         return self._dead is None and self._process.is_alive() and not stuck
 
     def shutdown(self) -> None:
+        self._stopping = True
         self._send((Command.STOP, None))
         self._process.join(timeout=30)
         if self._process.is_alive():
@@ -120,7 +122,7 @@ class EngineProcess:
     # -- the replica's side of the pipe --------------------------------------------------------------
     def _raise_if_dead(self) -> None:
         if self._dead is not None:
-            raise EngineDeadError(f"engine process died: {self._dead}")
+            raise EngineDeadError(self._dead)
 
     def _send(self, message) -> None:
         try:
@@ -159,10 +161,13 @@ class EngineProcess:
             self._fail_everything(f"its reader failed ({type(exc).__name__}: {exc})")
 
     def _fail_everything(self, reason: str) -> None:
-        logger.error("engine process died: %s", reason)
-        dead = EngineDeadError(f"engine process died: {reason}")
+        if self._stopping:  # what is still open ends as the in-thread engine's does at shutdown
+            dead = EngineDeadError("the engine was shut down")
+        else:
+            logger.error("engine process died: %s", reason)
+            dead = EngineDeadError(f"engine process died: {reason}")
         with self._lock:
-            self._dead = reason
+            self._dead = str(dead)
             streams, self._streams = list(self._streams.values()), {}
             loras, self._pending_loras = list(self._pending_loras.values()), {}
         for stream in streams:

@@ -153,3 +153,22 @@ def test_outputs_cross_the_pipe_unchanged_plain_ones_as_tuples():
     assert [o.request_id for o in unpacked[len(plain):]] == [o.request_id for o in rich]
     assert {f.name for f in fields(RequestOutput)} == outputs._KNOWN_REQUEST_FIELDS
     assert {f.name for f in fields(CompletionOutput)} == outputs._KNOWN_OUTPUT_FIELDS
+
+
+def test_a_shutdown_ends_open_streams_without_reporting_a_death(tiny_llama_dir, caplog):
+    """Shutting the engine down is no crash: a stream still open ends as the in-thread engine's
+    does ("shut down"), and nothing is logged as an error."""
+    engine = EngineProcess(_config(tiny_llama_dir), cpu_threads=1)
+
+    async def main():
+        stream = engine.generate("long", PROMPTS[0], SamplingParams(max_tokens=400, ignore_eos=True))
+        await anext(stream)
+        await asyncio.to_thread(engine.shutdown)
+        with pytest.raises(EngineDeadError, match="shut down"):
+            async for _ in stream:
+                pass
+
+    with caplog.at_level("INFO", logger=engine_process.__name__):
+        asyncio.run(main())
+    assert not engine.healthy
+    assert not [r for r in caplog.records if r.levelname == "ERROR"], caplog.records

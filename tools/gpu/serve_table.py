@@ -27,12 +27,14 @@ def load(directory: Path, prefix: str, engine: str | None) -> tuple[dict, dict, 
     for path in engines[-1:] + sorted(directory.glob(f"{prefix}dag-*.json")):
         report = json.loads(path.read_text())
         device = report["machine"].get("device", device) if "engine" in path.name else device
+        # A route run twice in one call (serve_bench.sh's ROUTES) wrote dag-triton-2-*.json: its own rows.
+        run = re.fullmatch(rf"{re.escape(prefix)}dag-(?P<run>.+?)(?:-high)?", path.stem)
         for row in report["results"]:
             m = NAME.fullmatch(row["name"])
             if m and m["kind"] == "engine":
                 by_engine[int(m["c"])] = row
             elif m:
-                by_dag[m["route"], int(m["c"]), int(m["p"] or 1)] = row
+                by_dag[run["run"] if run else m["route"], int(m["c"]), int(m["p"] or 1)] = row
     return by_engine, by_dag, device
 
 
@@ -53,7 +55,7 @@ def markdown(by_engine: dict, by_dag: dict, clients: int | None = None) -> str:
     lines = [f"| route | streams | requests | engine tok/s | {head} | DAG / engine | {2 * pick} / {pick} clients "
              f"| TTFT p50 engine / DAG ms | TPOT p50 engine / DAG ms | ITL p99 DAG ms |",
              "| --- |" + " ---: |" * (9 + len(counts))]
-    for route, c in sorted({(r, c) for r, c, _ in by_dag}, key=lambda k: (k[0] != "triton", k[1])):
+    for route, c in sorted({(r, c) for r, c, _ in by_dag}, key=lambda k: (not k[0].startswith("triton"), k)):
         eng = by_engine.get(c)
         dag = by_dag.get((route, c, min(pick, c))) or by_dag.get((route, c, 1))
         double = by_dag.get((route, c, 2 * pick)) if c >= 2 * pick else None

@@ -91,3 +91,12 @@ def test_the_engine_process_runner_streams_each_request_its_own_length_and_waits
     assert result.output_lens == workload.output_lens
     assert result.wall_s >= 0.6 and result.ttft_ms["p99"] < 240, (result.wall_s, result.ttft_ms)
     assert sum(workload.output_lens) <= result.extra["steps"] <= sum(workload.output_lens) + 3, result.extra
+
+
+def test_the_scheduler_cost_loop_serves_every_request_at_full_concurrency():
+    """tools/bench/scheduler_cost.py's closed loop: every one of 12 requests (2-5 output tokens) over 4
+    streams comes in as another ends and finishes, in at least the steps their tokens need at 4 a step."""
+    from tools.bench.scheduler_cost import run
+    steps, finished, schedule_ms, update_ms = run(streams=4, requests=12, prompt_len=8, output_lens=(2, 5), seed=1)
+    assert finished == 12
+    assert 12 * 2 // 4 <= steps <= 12 * 5 and schedule_ms > 0 and update_ms > 0

@@ -22,8 +22,9 @@ from app.engine.scheduler import Scheduler, SchedulerLimits
 from app.engine.sequence import Sequence
 
 
-def run(streams: int, requests: int, prompt_len: int, output_lens: tuple[int, int], seed: int) -> tuple[int, float, float]:
-    """(steps, schedule ms a step, update ms a step) of one closed loop."""
+def run(streams: int, requests: int, prompt_len: int, output_lens: tuple[int, int],
+        seed: int) -> tuple[int, int, float, float]:
+    """(steps, requests finished, schedule ms a step, update ms a step) of one closed loop."""
     rng = random.Random(seed)
     limits = SchedulerLimits(streams, 2048, True, SchedulerPolicy.GUARANTEED_NO_EVICT, BatchingType.INFLIGHT)
     sched = Scheduler(limits, BlockManager(8192, 32))
@@ -38,7 +39,7 @@ def run(streams: int, requests: int, prompt_len: int, output_lens: tuple[int, in
 
     for _ in range(min(streams, requests)):
         add()
-    steps, scheduling, updating = 0, 0.0, 0.0
+    steps, finished, scheduling, updating = 0, 0, 0.0, 0.0
     while sched.has_work():
         start = time.perf_counter()
         plan = sched.schedule()
@@ -47,10 +48,11 @@ def run(streams: int, requests: int, prompt_len: int, output_lens: tuple[int, in
         held = len(sched.running) + len(sched.waiting)
         sched.update(plan, rows, SamplerOutput([7] * len(rows), [0.0] * len(rows), {}))
         scheduling, updating, steps = scheduling + planned - start, updating + time.perf_counter() - planned, steps + 1
-        for _ in range(held - len(sched.running) - len(sched.waiting)):  # each finished one's replacement
-            if added < requests:
-                add()
-    return steps, scheduling / steps * 1e3, updating / steps * 1e3
+        ended = held - len(sched.running) - len(sched.waiting)
+        finished += ended
+        for _ in range(min(ended, requests - added)):  # each finished one's replacement
+            add()
+    return steps, finished, scheduling / steps * 1e3, updating / steps * 1e3
 
 
 def main() -> None:
@@ -63,7 +65,7 @@ def main() -> None:
     args = p.parse_args()
     lo, hi = (int(x) for x in args.output_len.split(":"))
     for seed in range(args.seeds):
-        steps, schedule_ms, update_ms = run(args.streams, args.requests, args.prompt_len, (lo, hi), seed)
+        steps, _, schedule_ms, update_ms = run(args.streams, args.requests, args.prompt_len, (lo, hi), seed)
         print(f"seed {seed}: {steps} steps, schedule {schedule_ms:.3f} ms a step, update {update_ms:.3f} ms a step")
 
 

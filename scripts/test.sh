@@ -3,4 +3,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-exec .venv/bin/python -m pytest -q "$@"
+# --durations: the slowest tests close the log, so a suite that grows slow shows where.
+exec .venv/bin/python -m pytest -q --durations=25 "$@"

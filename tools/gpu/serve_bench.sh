@@ -18,7 +18,8 @@
 #   run(carry=[".whl/3"], command="timeout 590 bash tools/gpu/serve_bench.sh stash install dag engine")
 # Steps, in the order named:
 #   stash      copy the carried .whl/<n> into $WHEELS (/tmp survives between calls on a warm machine)
-#   install    pip, offline, from $WHEELS: pydantic and py-spy; ray[serve] once both halves are there
+#   install    pip, offline, from $WHEELS: pydantic, and xgrammar where its wheel came (no dependencies,
+#              as scripts/setup.sh); ray[serve] and py-spy once both halves of the ray wheel are there
 #   tokenizer  tools/gpu/make_tokenizer.py for the shape (the Tokenizer and Detokenizer load it)
 #   adapters   ADAPTERS (8) random adapters of rank LORA_RANK (16) registered in a copy of the config
 #              (tools/gpu/lora_config.py); the engine and dag steps after it then run every level twice,
@@ -84,8 +85,13 @@ install() {
   fi
   # Packages the machine already has at a fitting version stay; the rest come from the wheels.
   "$PY" -m pip install -q --no-index --find-links "$WHEELS" --no-cache-dir "${want[@]}" 2>&1 | tail -20
+  # xgrammar without its declared dependencies, as scripts/setup.sh installs it (guided decoding)
+  if ls "$WHEELS"/xgrammar-*.whl > /dev/null 2>&1; then
+    "$PY" -m pip install -q --no-index --find-links "$WHEELS" --no-cache-dir --no-deps xgrammar apache-tvm-ffi 2>&1 | tail -5
+  fi
   "$PY" -c 'import pydantic; print("pydantic", pydantic.__version__)'
   "$PY" -c 'import ray, fastapi, uvicorn; print("ray", ray.__version__, "fastapi", fastapi.__version__)' 2>&1 | tail -1
+  "$PY" -c 'import xgrammar; print("xgrammar", xgrammar.__version__)' 2>&1 | tail -1
 }
 
 adapters() {  # ADAPTERS random adapters of rank LORA_RANK in a copy of the config; the steps after it use it

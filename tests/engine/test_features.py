@@ -307,6 +307,7 @@ def test_perf_metrics_are_ordered(engine):
 @pytest.mark.parametrize("field, params, prompt", [
     ("prompt", {}, []),
     ("prompt", {}, [300]),
+    ("prompt", {}, [5, -1, 7]),
     ("max_tokens", {"max_tokens": 0}, PROMPT),
     ("max_tokens", {"max_tokens": 500}, PROMPT),
     ("temperature", {"temperature": -1.0}, PROMPT),
@@ -321,6 +322,7 @@ def test_perf_metrics_are_ordered(engine):
     ("end_id", {"end_id": 256}, PROMPT),
     ("stop_token_ids", {"stop_token_ids": [[]]}, PROMPT),
     ("bad_token_ids", {"bad_token_ids": [[999]]}, PROMPT),
+    ("stop_token_ids", {"stop_token_ids": [[3, -4]]}, PROMPT),
     ("top_k", {"top_k": 2 ** 63}, PROMPT),  # overflowed in the sampler and killed the loop
     ("top_k", {"top_k": 257}, PROMPT),
     ("seed", {"seed": 2 ** 64, "temperature": 1.0}, PROMPT),

@@ -95,8 +95,11 @@ def test_the_engine_process_runner_streams_each_request_its_own_length_and_waits
 
 def test_the_scheduler_cost_loop_serves_every_request_at_full_concurrency():
     """tools/bench/scheduler_cost.py's closed loop: every one of 12 requests (2-5 output tokens) over 4
-    streams comes in as another ends and finishes, in at least the steps their tokens need at 4 a step."""
+    streams comes in as another ends and finishes, in at least the steps their tokens need at 4 a step;
+    replaced 3 steps later, it takes more steps. A step's tokens are counted: the first holds every prompt."""
     from tools.bench.scheduler_cost import run
-    steps, finished, schedule_ms, update_ms = run(streams=4, requests=12, prompt_len=8, output_lens=(2, 5), seed=1)
-    assert finished == 12
-    assert 12 * 2 // 4 <= steps <= 12 * 5 and schedule_ms > 0 and update_ms > 0
+    at_once = run(streams=4, requests=12, prompt_len=8, output_lens=(2, 5), seed=1)
+    later = run(streams=4, requests=12, prompt_len=8, output_lens=(2, 5), seed=1, replace_after=3)
+    assert at_once.finished == later.finished == 12
+    assert 12 * 2 // 4 <= len(at_once.step_tokens) < len(later.step_tokens) <= 12 * 5 + 3 * 12
+    assert at_once.step_tokens[0] == 4 * 8 and at_once.share_over(8) > 0 and at_once.schedule_ms > 0

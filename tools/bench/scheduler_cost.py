@@ -1,18 +1,22 @@
-"""What the in-flight batcher costs the engine's host a step, with no model: the scheduler
-(app/engine/scheduler.py) over a real BlockManager, through a closed loop of N streams whose
-finished requests are replaced at once, each step's samples a fixed token.
+"""What the in-flight batcher costs the engine's host a step, and how many tokens its steps carry,
+with no model: the scheduler (app/engine/scheduler.py) over a real BlockManager, through a closed
+loop of N streams whose finished requests are replaced (at once, or some steps later, as a serving
+path's round trip delays them), each step's samples a fixed token.
 
-    python -m tools.bench.scheduler_cost --streams 256 --requests 2048 --output-len 64:192
+    python -m tools.bench.scheduler_cost --streams 256 --requests 2048 --output-len 64:192 [--replace-after 3]
 
 On the GPU the engine's loop is host-bound with mixed output lengths at 256 streams (docs/
-PERFORMANCE.md, "The engine process's pipe on the GPU"), and scheduling and updating took 17% of it.
-Prints schedule() and update() ms a step for each seed.
+PERFORMANCE.md, "The engine process's pipe on the GPU"): scheduling and updating took 17% of it, and
+the steps of more than piecewise_graph_max_tokens (512) tokens, run op by op, 29%. Prints, for each
+seed, schedule() and update() ms a step and the share of steady-state steps over each --over size.
 """
 from __future__ import annotations
 
 import argparse
+import collections
 import random
 import time
+from dataclasses import dataclass
 
 from app.engine.block_manager import BlockManager
 from app.engine.config import BatchingType, SchedulerPolicy
@@ -22,9 +26,23 @@ from app.engine.scheduler import Scheduler, SchedulerLimits
 from app.engine.sequence import Sequence
 
 
-def run(streams: int, requests: int, prompt_len: int, output_lens: tuple[int, int],
-        seed: int) -> tuple[int, int, float, float]:
-    """(steps, requests finished, schedule ms a step, update ms a step) of one closed loop."""
+@dataclass
+class LoopResult:
+    finished: int  # requests that ended
+    schedule_ms: float  # a step, on average
+    update_ms: float
+    step_tokens: list[int]  # each step's tokens, in order
+
+    def share_over(self, tokens: int) -> float:
+        """Of the steady state's steps (after the start's burst, 20 steps, and before the last fifth's
+        tail), the share that carries more than `tokens`."""
+        steady = self.step_tokens[20:len(self.step_tokens) * 4 // 5] or self.step_tokens
+        return sum(n > tokens for n in steady) / len(steady)
+
+
+def run(streams: int, requests: int, prompt_len: int, output_lens: tuple[int, int], seed: int,
+        replace_after: int = 0) -> LoopResult:
+    """One closed loop; a finished request's replacement is added `replace_after` steps later."""
     rng = random.Random(seed)
     limits = SchedulerLimits(streams, 2048, True, SchedulerPolicy.GUARANTEED_NO_EVICT, BatchingType.INFLIGHT)
     sched = Scheduler(limits, BlockManager(8192, 32))
@@ -39,20 +57,27 @@ def run(streams: int, requests: int, prompt_len: int, output_lens: tuple[int, in
 
     for _ in range(min(streams, requests)):
         add()
-    steps, finished, scheduling, updating = 0, 0, 0.0, 0.0
-    while sched.has_work():
+    due: collections.Counter = collections.Counter()  # step -> replacements to add before it
+    step, finished, scheduling, updating, tokens = 0, 0, 0.0, 0.0, []
+    while sched.has_work() or due:
+        for _ in range(min(due.pop(step, 0), requests - added)):
+            add()
+        step += 1
+        if not sched.has_work():  # every request in flight is on its way back
+            continue
         start = time.perf_counter()
         plan = sched.schedule()
         planned = time.perf_counter()
         rows = [item.seq for item in plan.scheduled if item.samples]
         held = len(sched.running) + len(sched.waiting)
         sched.update(plan, rows, SamplerOutput([7] * len(rows), [0.0] * len(rows), {}))
-        scheduling, updating, steps = scheduling + planned - start, updating + time.perf_counter() - planned, steps + 1
+        scheduling, updating = scheduling + planned - start, updating + time.perf_counter() - planned
+        tokens.append(plan.num_tokens)
         ended = held - len(sched.running) - len(sched.waiting)
         finished += ended
-        for _ in range(min(ended, requests - added)):  # each finished one's replacement
-            add()
-    return steps, finished, scheduling / steps * 1e3, updating / steps * 1e3
+        if ended and added < requests:
+            due[step + replace_after] += ended
+    return LoopResult(finished, scheduling / len(tokens) * 1e3, updating / len(tokens) * 1e3, tokens)
 
 
 def main() -> None:
@@ -61,12 +86,16 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=2048)
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--output-len", default="64:192", help="LO:HI, drawn uniformly")
+    p.add_argument("--replace-after", type=int, default=0, help="steps between a request's end and its replacement")
+    p.add_argument("--over", type=int, nargs="*", default=[512, 1024], help="step sizes to count the steps above")
     p.add_argument("--seeds", type=int, default=3)
     args = p.parse_args()
     lo, hi = (int(x) for x in args.output_len.split(":"))
     for seed in range(args.seeds):
-        steps, _, schedule_ms, update_ms = run(args.streams, args.requests, args.prompt_len, (lo, hi), seed)
-        print(f"seed {seed}: {steps} steps, schedule {schedule_ms:.3f} ms a step, update {update_ms:.3f} ms a step")
+        r = run(args.streams, args.requests, args.prompt_len, (lo, hi), seed, args.replace_after)
+        shares = ", ".join(f"over {n}: {r.share_over(n):.1%}" for n in args.over)
+        print(f"seed {seed}: {len(r.step_tokens)} steps, schedule {r.schedule_ms:.3f} ms a step, "
+              f"update {r.update_ms:.3f} ms a step; steady-state steps {shares}")
 
 
 if __name__ == "__main__":

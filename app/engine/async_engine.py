@@ -247,9 +247,9 @@ class AsyncLLMEngine:
             if command is Command.STOP:
                 return False
             if command is Command.ADD:
-                request_id, prompt, params, adapter_id, arrival = arg
+                request_id, prompt, params, adapter_id, arrival = arg  # params: as generate validated them
                 try:
-                    self.engine.add_request(request_id, prompt, params, adapter_id, arrival)
+                    self.engine.add_request(request_id, prompt, params, adapter_id, arrival, validated=True)
                 except Exception as exc:  # noqa: BLE001 - a bad request fails alone
                     fail_request(self, request_id, exc)
             elif command is Command.ADD_LORA:

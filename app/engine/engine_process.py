@@ -236,7 +236,7 @@ def _apply(engine, conn, command: Command, arg) -> None:
     if command is Command.ADD:
         request_id, prompt, params, adapter_id, arrival = arg
         try:
-            engine.add_request(request_id, prompt, params, adapter_id, arrival)
+            engine.add_request(request_id, prompt, params, adapter_id, arrival, validated=True)  # by generate
         except Exception as exc:  # noqa: BLE001 - a bad request fails alone
             conn.send(("failed", request_id, exc))
     elif command is Command.ABORT:

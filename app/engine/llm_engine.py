@@ -110,11 +110,14 @@ class LLMEngine:
 
     # -- requests ----------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    adapter_id: str | None = None, arrival_ns: int | None = None) -> None:
-        """Queue a request; raises InvalidRequestError (naming the field) for input out of range."""
+                    adapter_id: str | None = None, arrival_ns: int | None = None, validated: bool = False) -> None:
+        """Queue a request; raises InvalidRequestError (naming the field) for input out of range.
+        `validated`: `params` are validate_request's answer for this prompt and these limits already
+        (the serving loops' generate checked them before the stream started), so the loop need not again."""
         if request_id in self.requests:
             raise InvalidRequestError("request_id", f"{request_id!r} is already in flight")
-        params = validate_request(prompt_token_ids, params, self.limits)
+        if not validated:
+            params = validate_request(prompt_token_ids, params, self.limits)
         if adapter_id is not None and adapter_id not in self.runner.loras:
             raise AdapterNotLoadedError("adapter", f"LoRA adapter {adapter_id!r} is not loaded; register it "
                                                    "first (with its path) and then send its name")

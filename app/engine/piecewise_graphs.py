@@ -11,6 +11,14 @@ one graph per cut, 33 for a 32-layer model. A step replays piece 0, runs layer 0
 real rows from the buffers piece 0 wrote, replays piece 1, which reads the attention output from a
 static buffer, and so on; the final norm and lm_head then run on the rows that sample.
 
+What crosses a cut lives in static buffers sized for the largest bucket and shared by every layer
+and bucket: each piece ends by copying the layer's q, k and v into them (12 KB a token a layer on
+the 8B shape), and the last piece copies the trunk's output. Only one bucket replays at a time, and
+one layer's attention at a time, so one set serves all, and a bucket's own blocks are free for the
+next bucket's capture. Kept per bucket (views of each layer's qkv projection), they pinned pool
+blocks in every bucket: on the 8B shape the graphs took 1.3 GiB of an H200's KV pool up to 512
+tokens and 12.9 GiB up to 2,048, against 0.4 and 0.9 GiB now (docs/PERFORMANCE.md).
+
 Padded rows (the step's rows up to the bucket) take the scratch slot for their keys and values and
 never reach attention, so their rows of the attention output hold whatever an earlier step left
 there: finite values that only they read, since every op in the pieces works row by row. Where
@@ -53,14 +61,19 @@ class PiecewiseGraphs:
         self.positions = torch.zeros(n, dtype=torch.long, device=device)
         self.slots = torch.full((n,), scratch_slot, dtype=torch.long, device=device)
         attn = model.layers[0].self_attn
+        heads = {"q": attn.num_heads, "k": attn.num_kv_heads, "v": attn.num_kv_heads}
+        # What crosses a cut: attention's inputs and output, and the trunk's (x, residual) at the end.
+        self.attention_in = {name: torch.zeros(n, h, attn.head_dim, dtype=dtype, device=device)
+                             for name, h in heads.items()}
         self.attention_out = torch.zeros(n, attn.num_heads, attn.head_dim, dtype=dtype, device=device)
+        hidden = model.config.hidden_size
+        self.trunk_out = (torch.zeros(n, hidden, dtype=dtype, device=device),
+                          torch.zeros(n, hidden, dtype=dtype, device=device))
         self.lora = GraphLoRAInputs(lora_slots, self.sizes, device) if lora_slots is not None else None
         self.pieces: dict[tuple[int, bool], list[Piece]] = {}  # (bucket, adapted)
-        self.outputs: dict[tuple[int, bool], tuple[torch.Tensor, torch.Tensor]] = {}  # the trunk's (x, residual)
         # Every piece of every bucket shares one pool, captured on one stream (the allocator reuses a
         # block only on the stream that freed it), largest bucket first: the smaller ones' temporaries fit
-        # in what it freed. Each layer's q/k/v (views of its qkv projection) stay allocated: attention
-        # reads them between pieces, about 12 KB a token a layer on the 8B shape, in every bucket.
+        # in what it freed.
         self._pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
@@ -90,13 +103,14 @@ class PiecewiseGraphs:
 
         def cut(q, k, v, k_cache, v_cache, _meta, *rest):
             nonlocal graph
+            staged = self._stage(size, self.attention_in.values(), (q, k, v))
             graph.capture_end()
-            pieces.append(Piece(graph, (q, k, v, k_cache, v_cache, *rest)))
+            pieces.append(Piece(graph, (*staged, k_cache, v_cache, *rest)))
             graph = self._begin()
             return out
         try:
             with self._at_attention(cut):
-                self.outputs[size, adapted] = self.model.trunk(*args)
+                self._stage(size, self.trunk_out, self.model.trunk(*args))
         except BaseException:  # a capture left open would swallow every later launch on this stream
             # (if ending it fails too, the pool may stay routed; the engine does not start either way)
             with suppress(Exception):
@@ -105,6 +119,12 @@ class PiecewiseGraphs:
         graph.capture_end()
         pieces.append(Piece(graph, None))
         self.pieces[size, adapted] = pieces
+
+    @staticmethod
+    def _stage(size: int, buffers, tensors) -> list[torch.Tensor]:
+        """The first `size` rows of each static buffer, filled from its tensor (recorded in the piece
+        being captured): what the next piece or attention reads then outlives this bucket's pool blocks."""
+        return [buffer[:size].copy_(tensor) for buffer, tensor in zip(buffers, tensors, strict=True)]
 
     def _begin(self) -> torch.cuda.CUDAGraph:
         graph = torch.cuda.CUDAGraph()
@@ -144,5 +164,4 @@ class PiecewiseGraphs:
             if piece.attention is not None:
                 q, k, v, k_cache, v_cache, *rest = piece.attention
                 self.kernels.attention(q[:n], k[:n], v[:n], k_cache, v_cache, meta, *rest, out[:n])
-        x, residual = self.outputs[size, bool(lora_rows)]
-        return self.model.head(x, residual, logits_indices)
+        return self.model.head(*self.trunk_out, logits_indices)

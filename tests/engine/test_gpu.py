@@ -305,6 +305,46 @@ def test_prefill_steps_from_piecewise_graphs_equal_op_by_op(tiny_llama_dir, monk
             assert logprobs[:same] == pytest.approx(g_logprobs[:same], abs=tolerance)
 
 
+def test_piecewise_graphs_hold_one_set_of_what_crosses_a_cut(tiny_llama_dir, monkeypatch):
+    """Each layer's q, k and v (read by attention between pieces) and the trunk's output live in one
+    static set sized for the largest bucket, so what the graphs hold grows with the largest bucket:
+    buckets to 2,048 tokens hold a few MB more than buckets to 256, where keeping them per bucket
+    held them once for every bucket (25 MB more on this model, and 12.9 GiB of an H200's pool on the
+    8B shape)."""
+    import gc
+
+    from app.engine.piecewise_graphs import PiecewiseGraphs, token_buckets
+
+    engine = _engine(tiny_llama_dir, "float32", piecewise_graph_max_tokens=0)
+    shard = engine.runner.shard
+    model, cfg = shard.model, shard.model.config
+    kv_caches = list(shard.kv_cache.unbind(0))
+    scratch_slot = (shard.kv_cache.shape[2] - 1) * shard.block_size
+    # One capture stream for every construction: cuBLAS keeps a workspace per stream (tens of MB on a
+    # Hopper card), which a fresh stream would add to one measurement and not the other.
+    stream = torch.cuda.Stream(shard.device)
+    monkeypatch.setattr(torch.cuda, "Stream", lambda *args, **kwargs: stream)
+
+    def held(max_tokens: int) -> int:
+        gc.collect()
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        graphs = PiecewiseGraphs(model, kv_caches, max_tokens, scratch_slot, torch.float32, shard.device)
+        taken = torch.cuda.memory_allocated() - before
+        del graphs
+        return taken
+
+    held(16)  # the stream's workspace
+    small, large = held(256), held(2048)
+    # What per-bucket tensors would hold beyond the 256-token graphs: every layer's qkv projection and the
+    # trunk's (x, residual), in float32, for each token of each bucket the larger graphs add.
+    per_token = 4 * (cfg.num_layers * (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim + 2 * cfg.hidden_size)
+    per_bucket = per_token * (sum(token_buckets(2048)) - sum(token_buckets(256)))
+    engine.shutdown()
+    assert per_bucket > 20e6
+    assert large - small < per_bucket / 4
+
+
 def test_logprobs_within_bfloat16_tolerance(tiny_llama_dir):
     from transformers import AutoModelForCausalLM
 

@@ -91,7 +91,7 @@ install() {
   fi
   "$PY" -c 'import pydantic; print("pydantic", pydantic.__version__)'
   "$PY" -c 'import ray, fastapi, uvicorn; print("ray", ray.__version__, "fastapi", fastapi.__version__)' 2>&1 | tail -1
-  "$PY" -c 'import xgrammar; print("xgrammar", xgrammar.__version__)' 2>&1 | tail -1
+  "$PY" -c 'import importlib.metadata as m, xgrammar; print("xgrammar", m.version("xgrammar"))' 2>&1 | tail -1
 }
 
 adapters() {  # ADAPTERS random adapters of rank LORA_RANK in a copy of the config; the steps after it use it

@@ -1,5 +1,6 @@
 """The engine on a CUDA device against transformers on the same device (skipped without one;
 run on the GPU machines: `pytest tests/engine/test_gpu.py`)."""
+import importlib.util
 import itertools
 
 import pytest
@@ -9,6 +10,9 @@ from app.engine import EngineConfig, LLMEngine, SamplingParams
 from tests.conftest import hf_greedy, random_prompts
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+# Guided decoding's grammars: scripts/setup.sh installs xgrammar; on the device machine it comes with
+# the third carry of tools/gpu/wheels.sh.
+needs_xgrammar = pytest.mark.skipif(importlib.util.find_spec("xgrammar") is None, reason="needs xgrammar")
 
 
 def _engine(model_dir, dtype: str, **overrides) -> LLMEngine:
@@ -187,6 +191,7 @@ def tiny_tokenized_llama_dir(tmp_path_factory):
     return write(path)
 
 
+@needs_xgrammar
 def test_guided_masks_filled_behind_a_stream_gate_equal_masks_filled_first(tiny_tokenized_llama_dir, monkeypatch):
     """On CUDA a guided step's sampling is queued before its masks are filled: a thread fills them
     and opens a gate on the stream. Overlapped, in float32, guided requests (greedy and seeded
@@ -234,6 +239,7 @@ def test_guided_masks_filled_behind_a_stream_gate_equal_masks_filled_first(tiny_
             assert isinstance(answer["ok"], bool) and answer["size"] in ("s", "m", "l"), answer
 
 
+@needs_xgrammar
 def test_a_mask_fill_that_fails_fails_its_step_alone_and_opens_the_gate(tiny_tokenized_llama_dir, monkeypatch):
     """A fill that raises on its thread still opens its gate: the requests of the step it served end
     with the error, and requests after them run to the end (no stream left waiting)."""

@@ -11,11 +11,12 @@ one graph per cut, 33 for a 32-layer model. A step replays piece 0, runs layer 0
 real rows from the buffers piece 0 wrote, replays piece 1, which reads the attention output from a
 static buffer, and so on; the final norm and lm_head then run on the rows that sample.
 
-What crosses a cut lives in static buffers sized for the largest bucket and shared by every layer
-and bucket: each piece ends by copying the layer's q, k and v into them (12 KB a token a layer on
-the 8B shape), and the last piece copies the trunk's output. Only one bucket replays at a time, and
-one layer's attention at a time, so one set serves all, and a bucket's own blocks are free for the
-next bucket's capture. Kept per bucket (views of each layer's qkv projection), they pinned pool
+What eager code reads across a cut lives in static buffers sized for the largest bucket and shared
+by every layer and bucket: each piece ends by copying the layer's q, k and v (attention's inputs;
+12 KB a token a layer on the 8B shape) into them, and the last piece copies the trunk's output (the
+head's input). Only one bucket replays at a time, and one layer's attention at a time, so one set
+serves all, and a bucket's own blocks (the residual stream and rope tables that only its later
+pieces read among them) are free for the next bucket's capture. Kept per bucket (views of each layer's qkv projection), they pinned pool
 blocks in every bucket: on the 8B shape the graphs took 1.3 GiB of an H200's KV pool up to 512
 tokens and 12.9 GiB up to 2,048, against 0.4 and 0.9 GiB now (docs/PERFORMANCE.md).
 
@@ -52,7 +53,9 @@ class Piece:
 
 class PiecewiseGraphs:
     def __init__(self, model, kv_caches: list[torch.Tensor], max_tokens: int, scratch_slot: int,
-                 dtype: torch.dtype, device: torch.device, lora_slots: LoRASlots | None = None):
+                 dtype: torch.dtype, device: torch.device, lora_slots: LoRASlots | None = None,
+                 stream: torch.cuda.Stream | None = None):
+        """`stream`: the one to capture on (default: a new one; cuBLAS keeps a workspace per stream)."""
         self.model, self.kernels = model, model.kernels
         self.sizes = token_buckets(max_tokens)
         n = self.sizes[-1]
@@ -62,7 +65,7 @@ class PiecewiseGraphs:
         self.slots = torch.full((n,), scratch_slot, dtype=torch.long, device=device)
         attn = model.layers[0].self_attn
         heads = {"q": attn.num_heads, "k": attn.num_kv_heads, "v": attn.num_kv_heads}
-        # What crosses a cut: attention's inputs and output, and the trunk's (x, residual) at the end.
+        # What eager code reads or writes between pieces: attention's inputs and output, and the head's input.
         self.attention_in = {name: torch.zeros(n, h, attn.head_dim, dtype=dtype, device=device)
                              for name, h in heads.items()}
         self.attention_out = torch.zeros(n, attn.num_heads, attn.head_dim, dtype=dtype, device=device)
@@ -75,7 +78,7 @@ class PiecewiseGraphs:
         # block only on the stream that freed it), largest bucket first: the smaller ones' temporaries fit
         # in what it freed.
         self._pool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream(device)
+        stream = stream or torch.cuda.Stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):
             for size in reversed(self.sizes):
@@ -124,7 +127,13 @@ class PiecewiseGraphs:
     def _stage(size: int, buffers, tensors) -> list[torch.Tensor]:
         """The first `size` rows of each static buffer, filled from its tensor (recorded in the piece
         being captured): what the next piece or attention reads then outlives this bucket's pool blocks."""
-        return [buffer[:size].copy_(tensor) for buffer, tensor in zip(buffers, tensors, strict=True)]
+        staged = [buffer[:size] for buffer in buffers]
+        for buffer, tensor in zip(staged, tensors, strict=True):  # copy_ would cast or broadcast a mismatch silently
+            if buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
+                raise RuntimeError(f"piecewise graphs: a cut's {tuple(tensor.shape)} {tensor.dtype} does not fit its "
+                                   f"buffer's {tuple(buffer.shape)} {buffer.dtype}")
+            buffer.copy_(tensor)
+        return staged
 
     def _begin(self) -> torch.cuda.CUDAGraph:
         graph = torch.cuda.CUDAGraph()

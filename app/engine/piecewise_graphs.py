@@ -16,9 +16,10 @@ by every layer and bucket: each piece ends by copying the layer's q, k and v (at
 12 KB a token a layer on the 8B shape) into them, and the last piece copies the trunk's output (the
 head's input). Only one bucket replays at a time, and one layer's attention at a time, so one set
 serves all, and a bucket's own blocks (the residual stream and rope tables that only its later
-pieces read among them) are free for the next bucket's capture. Kept per bucket (views of each layer's qkv projection), they pinned pool
-blocks in every bucket: on the 8B shape the graphs took 1.3 GiB of an H200's KV pool up to 512
-tokens and 12.9 GiB up to 2,048, against 0.4 and 0.9 GiB now (docs/PERFORMANCE.md).
+pieces read among them) are free for the next bucket's capture. Kept per bucket (views of each
+layer's qkv projection), they pinned pool blocks in every bucket: on the 8B shape the graphs took
+1.3 GiB of an H200's KV pool up to 512 tokens and 12.9 GiB up to 2,048, against 0.4 and 0.9 GiB
+now (docs/PERFORMANCE.md).
 
 Padded rows (the step's rows up to the bucket) take the scratch slot for their keys and values and
 never reach attention, so their rows of the attention output hold whatever an earlier step left

@@ -31,6 +31,8 @@
 #              512: a step of more tokens, e.g. 253 decodes beside three 128-token prompts, runs op by op)
 #   late       late_planning: true in a copy of the config, likewise (the overlap scheduler plans each
 #              step just before the one computing ends, app/engine/step_clock.py; off by default)
+#   fronts     FRONTS="ingress=8:0.5 detokenizer=8:0.5": those stages' replicas and CPUs each (stage=replicas:cpus)
+#              in a copy of the config, likewise
 #   engine     the engine alone on the same workloads, in a process of its own (no server running)
 #   dag        serve run, then the load generator over HTTP on both routes, in the order ROUTES names
 #              (default "triton openai"); stops the server after.
@@ -145,6 +147,21 @@ tokens() {  # a copy of the config with MAX_NUM_TOKENS tokens a step
 graphs() {  # a copy of the config whose prefill steps replay from graphs up to PIECEWISE_MAX_TOKENS tokens
   with_key "graphs-${PIECEWISE_MAX_TOKENS:?graphs: set PIECEWISE_MAX_TOKENS}" piecewise_graph_max_tokens \
       "$PIECEWISE_MAX_TOKENS"
+}
+
+fronts() {  # a copy of the config with FRONTS' replica counts and CPUs for the stages it names
+  local dir=/tmp/llm-serve-fronts spec stage n cpus
+  mkdir -p "$dir"
+  cp "$CONFIG" "$dir/config.yaml.in"
+  for spec in ${FRONTS:?fronts: set FRONTS, e.g. "ingress=8:0.5"}; do
+    stage=${spec%%=*} n=${spec#*=}; cpus=${n#*:} n=${n%%:*}
+    sed -i "s/^\(  $stage: {num_replicas: \)[0-9]*\(,.*num_cpus: \)[0-9.]*/\1$n\2$cpus/" "$dir/config.yaml.in"
+    grep -q "^  $stage: {num_replicas: $n,.*num_cpus: $cpus[,}]" "$dir/config.yaml.in" \
+        || { echo "fronts: $CONFIG has no serve.$stage line to edit"; exit 1; }
+  done
+  mv "$dir/config.yaml.in" "$dir/config.yaml"
+  use_config "$dir"
+  grep "^  [a-z]*: {num_replicas" "$CONFIG"
 }
 
 tokenizer() {

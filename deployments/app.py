@@ -10,7 +10,7 @@ from ray.serve import Application
 
 from app.config import ConfigError, load_config
 from app.placement import placement_problem
-from app.engine.model_loader import resolve_model_dir
+from app.engine.model_dir import resolve_model_dir
 from deployments.detokenizer import DetokenizerDeployment
 from deployments.engine import EngineDeployment
 from deployments.ingress import Ingress

@@ -8,11 +8,11 @@ from ray.serve.handle import DeploymentHandle
 from app.channel import Inbound, Outbound, ReplyTo
 from app.config import ServiceConfig
 from app.detokenize import text_chunks
-from app.engine.llm_engine import merge_outputs
+from app.engine.outputs import merge_outputs
 from app.protocol.messages import TokenizedJob, merge_chunks
 from app.text import Tokenizer
 from deployments.handles import for_this_replica
-from deployments.workers import model_dir_on_this_node
+from deployments.nodes import model_dir_on_this_node
 
 
 @serve.deployment(name="Detokenizer")

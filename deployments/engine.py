@@ -14,10 +14,11 @@ from app.channel import Outbound, ReplyTo
 from app.config import ServiceConfig
 from app.engine import InvalidRequestError, SamplingParams
 from app.engine.lora_loader import check_adapter_files
-from app.engine.llm_engine import merge_outputs
+from app.engine.outputs import merge_outputs
 from app.protocol.messages import AdapterRef
 from deployments.metrics import EngineMetrics
-from deployments.workers import PlacementGroupLauncher, model_dir_on_this_node, placement_of_this_process
+from deployments.nodes import model_dir_on_this_node, placement_of_this_process
+from deployments.workers import PlacementGroupLauncher
 
 MAX_ADAPTERS_PER_REPLICA = 64  # what Serve's multiplexed routing tracks per replica
 # Adapters that requests brought by path, for every replica of the app: a later request that names

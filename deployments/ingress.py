@@ -25,7 +25,7 @@ from app.batching import Coalescer
 from app.channel import Inbound
 from app.config import ServiceConfig
 from app.engine.errors import BackendError, EngineDeadError, EngineStepError, InvalidRequestError
-from app.engine.sequence import FinishReason
+from app.engine.outputs import FinishReason
 from app.protocol import openai, openapi, triton, triton_binary
 from app.protocol.body import parse_body
 from app.protocol.messages import (AdapterRef, GenerationJob, TextChunk, TextOutput, check_job, merge_chunks,

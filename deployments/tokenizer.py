@@ -11,7 +11,7 @@ from app.engine.errors import InvalidRequestError
 from app.protocol import tools
 from app.protocol.messages import GenerationJob, TokenizedJob
 from app.text import Tokenizer
-from deployments.workers import model_dir_on_this_node
+from deployments.nodes import model_dir_on_this_node
 
 logger = logging.getLogger("ray.serve")
 

@@ -2,16 +2,14 @@
 replica's placement group: rank r in bundle r (the replica itself is rank 0, in bundle 0)."""
 from __future__ import annotations
 
-from pathlib import Path
-
 import ray
 from ray.exceptions import RayTaskError
 from ray.util.placement_group import get_current_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from app.engine.executor import free_port
-from app.engine.model_loader import resolve_model_dir
 from app.engine.worker import worker_main
+from deployments.nodes import model_dir_on_this_node, placement_of_this_process
 
 
 @ray.remote(max_concurrency=2)  # `run` holds one thread for the rank's life; `placement` answers beside it
@@ -24,24 +22,6 @@ class EngineRank:
 
     def placement(self) -> dict:
         return placement_of_this_process()
-
-
-def placement_of_this_process() -> dict:
-    context = ray.get_runtime_context()
-    group = context.get_placement_group_id()
-    return {"placement_group": group, "node": context.get_node_id()}
-
-
-def model_dir_on_this_node(model: str, who: str) -> Path:
-    """`model` resolved where this process runs. A config's path is read on every node that a stage
-    or rank lands on, not only where the app was built: missing here, it fails in one sentence."""
-    try:
-        return resolve_model_dir(model)
-    except FileNotFoundError as exc:
-        raise FileNotFoundError(
-            f"{who} on node {ray.util.get_node_ip_address()} (node id {ray.get_runtime_context().get_node_id()}) "
-            f"cannot find model {model!r}: model paths must be on storage every node mounts, or present at the "
-            f"same path on every node ({exc})") from None
 
 
 class PlacementGroupLauncher:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from app.engine import EngineConfig, LLMEngine, SamplingParams
-from app.engine.model_loader import resolve_model_dir
+from app.engine.model_dir import resolve_model_dir
 
 torch.set_num_threads(2)
 _EXIT_STATUS = pytest.StashKey[int]()
@@ -171,7 +171,7 @@ def run_staggered(engine: LLMEngine, prompts: list[list[int]], params, arrivals:
                   adapters: list[str | None] | None = None) -> list:
     """Add prompt i at step arrivals[i] (under adapters[i], if given); run until all finish; return
     merged outputs in prompt order."""
-    from app.engine.llm_engine import merge_outputs
+    from app.engine.outputs import merge_outputs
 
     params = params if isinstance(params, list) else [params] * len(prompts)
     merged, pending, step = {}, set(range(len(prompts))), 0

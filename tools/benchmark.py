@@ -201,7 +201,8 @@ def serve_command(args) -> dict:
     import gc
 
     from app.config import load_config
-    from app.engine.model_loader import read_model_config, resolve_model_dir
+    from app.engine.model_dir import resolve_model_dir
+    from app.engine.model_loader import read_model_config
     from tools.bench.serve_runner import run_http, run_load
 
     config = load_config(args.config)

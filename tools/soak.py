@@ -149,7 +149,7 @@ def start_server(config: str, port: int) -> tuple[str, list[str]]:
     import yaml
     from ray import serve
 
-    from app.engine.model_loader import resolve_model_dir
+    from app.engine.model_dir import resolve_model_dir
     from deployments.app import build_app
     from tools.bench.adapters import make_adapters
 

@@ -16,7 +16,8 @@ import numpy as np
 from app.config import ServiceConfig
 from app.engine.errors import BackendError, InvalidRequestError
 from app.engine.guided import GrammarCompiler, Guide
-from app.engine.model_loader import read_model_config, resolve_model_dir
+from app.engine.model_dir import resolve_model_dir
+from app.engine.model_loader import read_model_config
 from app.engine.sampling_params import SamplingParams, request_limits
 from app.protocol.messages import AdapterRef
 

@@ -27,7 +27,7 @@ from app.backends.triton_repository import write_model_repository
 from app.config import ServiceConfig
 from app.engine.errors import BackendError, InvalidRequestError
 from app.engine.guided import Guide
-from app.engine.llm_engine import merge_outputs
+from app.engine.outputs import merge_outputs
 from app.engine.lora_loader import load_peft_adapter, to_trtllm_arrays
 from app.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from app.engine.sampling_params import SamplingParams, validate_request

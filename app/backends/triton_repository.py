@@ -17,7 +17,8 @@ from pathlib import Path
 
 from app.config import ServiceConfig
 from app.engine.config import BatchingType, SchedulerPolicy
-from app.engine.model_loader import cache_root, read_model_config, resolve_model_dir
+from app.engine.model_dir import cache_root, resolve_model_dir
+from app.engine.model_loader import read_model_config
 
 # (name, data type, dims) of the inputs we send; every one optional but the first three.
 INPUTS = [

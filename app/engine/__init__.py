@@ -1,11 +1,24 @@
-"""The portable PyTorch engine: TensorRT-LLM executor semantics, no Ray."""
-from app.engine.async_engine import AsyncLLMEngine
-from app.engine.config import BatchingType, EngineConfig, KvCacheConfig, SchedulerPolicy
-from app.engine.errors import EngineDeadError, InvalidRequestError
-from app.engine.llm_engine import LLMEngine
-from app.engine.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput
-from app.engine.sampling_params import SamplingParams
+"""The portable PyTorch engine: TensorRT-LLM executor semantics, no Ray.
 
-__all__ = ["AsyncLLMEngine", "BatchingType", "CompletionOutput", "EngineConfig", "EngineDeadError",
-           "EngineStats", "InvalidRequestError", "KvCacheConfig", "LLMEngine", "RequestMetrics",
-           "RequestOutput", "SamplingParams", "SchedulerPolicy"]
+The names below load on first use. The front stages (Ingress, Tokenizer, Detokenizer) import only
+the engine's light modules (errors, outputs, sampling_params, config), and an eager import here
+would load torch into each of their replicas: seconds of start-up and hundreds of MB apiece.
+"""
+import importlib
+
+_HOMES = {
+    "AsyncLLMEngine": "async_engine", "BatchingType": "config", "CompletionOutput": "outputs",
+    "EngineConfig": "config", "EngineDeadError": "errors", "EngineStats": "outputs",
+    "InvalidRequestError": "errors", "KvCacheConfig": "config", "LLMEngine": "llm_engine",
+    "RequestMetrics": "outputs", "RequestOutput": "outputs", "SamplingParams": "sampling_params",
+    "SchedulerPolicy": "config",
+}
+__all__ = sorted(_HOMES)
+
+
+def __getattr__(name: str):
+    if name not in _HOMES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{_HOMES[name]}"), name)
+    globals()[name] = value
+    return value

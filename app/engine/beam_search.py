@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from app.engine.sequence import FinishReason, Sequence
+from app.engine.outputs import FinishReason
+from app.engine.sequence import Sequence
 
 _DEAD = -1.0e9  # transformers' score for continuations that must not run on
 

@@ -25,7 +25,8 @@ from dataclasses import replace
 import torch
 
 from app.engine.config import EngineConfig
-from app.engine.model_loader import read_model_config, resolve_model_dir
+from app.engine.model_dir import resolve_model_dir
+from app.engine.model_loader import read_model_config
 from app.engine.sequence import Sequence
 from app.engine.speculative import Proposer
 from app.engine.transfer import to_device

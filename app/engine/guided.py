@@ -25,10 +25,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from app.engine.errors import InvalidRequestError
+
+if TYPE_CHECKING:  # torch loads where a mask is made: the Ingress parses guides without it
+    import torch
 
 KINDS = ("json", "json_schema", "regex", "ebnf", "structural_tag")
 CACHE_BYTES = 256 << 20  # compiled grammars kept (xgrammar evicts the least recently used)
@@ -262,6 +264,7 @@ def new_bitmask(rows: int, vocab_size: int, pin: bool) -> torch.Tensor:
     """int32 words of 32 tokens, a row for each row of a step's logits up to its last guided one,
     on the host (pinned where the copy to the device must not wait). Bit t of a filled row is set
     where its grammar allows t next."""
+    import torch
     import xgrammar
 
     return torch.empty(xgrammar.get_bitmask_shape(rows, vocab_size), dtype=torch.int32, pin_memory=pin)
@@ -271,6 +274,8 @@ def fill_bitmask(matchers: list[GrammarMatcher], bitmask: torch.Tensor, rows: li
     """Row rows[i] of `bitmask` for matchers[i], all at once on xgrammar's threads (without the GIL).
     From any thread: the bitmask may be the engine's, made under inference mode, which only inference
     mode may update in place (a fill thread is not in it)."""
+    import torch
+
     matchers[0].batch.batch_fill_next_token_bitmask([m.xgrammar_matcher for m in matchers], bitmask, rows)
     json_rows = [row for m, row in zip(matchers, rows) if m.json_safe is not None]
     if json_rows:
@@ -285,6 +290,7 @@ def _json_safe_row(info, vocab_size: int, stop_ids: tuple[int, ...]) -> torch.Te
     string with minLength/maxLength lets them in raw (mlc-ai/xgrammar#800), which strict parsers
     (Python's json, JavaScript's JSON.parse) refuse."""
     import numpy as np
+    import torch
 
     words = new_bitmask(1, vocab_size, pin=False).shape[1]
     allowed = np.zeros(words * 32, dtype=bool)
@@ -310,6 +316,8 @@ def warm_up_bitmask_kernel(device: torch.device, vocab_size: int) -> None:
         import xgrammar  # noqa: F401
     except ImportError:
         return
+    import torch
+
     logits = torch.zeros((16, vocab_size), dtype=torch.float32, device=device)
     bitmask = new_bitmask(16, vocab_size, pin=False).fill_(-1).to(device)
     for count in (1, 2, 16):

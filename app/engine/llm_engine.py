@@ -17,12 +17,13 @@ from app.engine.errors import AdapterNotLoadedError, InvalidRequestError
 from app.engine.executor import WorkerLauncher
 from app.engine.guided import GrammarCompiler
 from app.engine.lora_loader import LoRAAdapter
-from app.engine.model_loader import read_model_config, resolve_model_dir
+from app.engine.model_dir import resolve_model_dir
+from app.engine.model_loader import read_model_config
 from app.engine.model_runner import LaunchedStep, ModelRunner
-from app.engine.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput, concat_rows
+from app.engine.outputs import CompletionOutput, EngineStats, FinishReason, RequestMetrics, RequestOutput, merge_outputs
 from app.engine.sampling_params import SEED_LIMIT, SamplingParams, request_limits, validate_request
 from app.engine.scheduler import Scheduler, SchedulerLimits
-from app.engine.sequence import FinishReason, Sequence
+from app.engine.sequence import Sequence
 from app.engine.speculative import NGramProposer
 from app.engine.step_clock import StepClock
 
@@ -466,33 +467,3 @@ class LLMEngine:
                 merged[out.request_id] = merge_outputs(merged.get(out.request_id), out)
         return [merged[rid] for rid in ids]
 
-
-def merge_outputs(acc: RequestOutput | None, delta: RequestOutput) -> RequestOutput:
-    """Fold a streamed delta into the accumulated output of the same request."""
-    if acc is None:
-        acc = RequestOutput(delta.request_id, [], False)
-    by_index = {c.index: c for c in acc.outputs}
-    for c in delta.outputs:
-        prev = by_index.get(c.index)
-        if prev is None:
-            by_index[c.index] = CompletionOutput(c.index, list(c.token_ids), list(c.logprobs) if c.logprobs is not None else None,
-                                                 c.cumulative_logprob, c.finish_reason, c.stop_reason,
-                                                 list(c.top_logprobs) if c.top_logprobs is not None else None,
-                                                 c.generation_logits)
-            continue
-        prev.token_ids.extend(c.token_ids)
-        if c.logprobs is not None:
-            prev.logprobs = (prev.logprobs or []) + list(c.logprobs)
-        if c.top_logprobs is not None:
-            prev.top_logprobs = (prev.top_logprobs or []) + list(c.top_logprobs)
-        prev.generation_logits = concat_rows(prev.generation_logits, c.generation_logits)
-        prev.cumulative_logprob = c.cumulative_logprob
-        prev.finish_reason, prev.stop_reason = c.finish_reason, c.stop_reason
-    acc.outputs = [by_index[i] for i in sorted(by_index)]
-    acc.finished = delta.finished
-    acc.metrics = delta.metrics or acc.metrics
-    acc.prompt_logprobs = acc.prompt_logprobs or delta.prompt_logprobs
-    acc.prompt_top_logprobs = acc.prompt_top_logprobs or delta.prompt_top_logprobs
-    acc.context_logits = acc.context_logits if acc.context_logits is not None else delta.context_logits
-    acc.error = acc.error or delta.error
-    return acc

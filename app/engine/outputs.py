@@ -1,9 +1,16 @@
 """What the engine hands back: per-step deltas of each request, and its metrics at the end."""
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
 import numpy as np
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # end id or a stop sequence
+    LENGTH = "length"  # max_tokens
+    ABORT = "abort"
 
 
 @dataclass
@@ -139,3 +146,34 @@ def concat_rows(a: np.ndarray | None, b: np.ndarray | None) -> np.ndarray | None
     if a is None or b is None:
         return a if b is None else b
     return np.concatenate([a, b])
+
+
+def merge_outputs(acc: RequestOutput | None, delta: RequestOutput) -> RequestOutput:
+    """Fold a streamed delta into the accumulated output of the same request."""
+    if acc is None:
+        acc = RequestOutput(delta.request_id, [], False)
+    by_index = {c.index: c for c in acc.outputs}
+    for c in delta.outputs:
+        prev = by_index.get(c.index)
+        if prev is None:
+            by_index[c.index] = CompletionOutput(c.index, list(c.token_ids), list(c.logprobs) if c.logprobs is not None else None,
+                                                 c.cumulative_logprob, c.finish_reason, c.stop_reason,
+                                                 list(c.top_logprobs) if c.top_logprobs is not None else None,
+                                                 c.generation_logits)
+            continue
+        prev.token_ids.extend(c.token_ids)
+        if c.logprobs is not None:
+            prev.logprobs = (prev.logprobs or []) + list(c.logprobs)
+        if c.top_logprobs is not None:
+            prev.top_logprobs = (prev.top_logprobs or []) + list(c.top_logprobs)
+        prev.generation_logits = concat_rows(prev.generation_logits, c.generation_logits)
+        prev.cumulative_logprob = c.cumulative_logprob
+        prev.finish_reason, prev.stop_reason = c.finish_reason, c.stop_reason
+    acc.outputs = [by_index[i] for i in sorted(by_index)]
+    acc.finished = delta.finished
+    acc.metrics = delta.metrics or acc.metrics
+    acc.prompt_logprobs = acc.prompt_logprobs or delta.prompt_logprobs
+    acc.prompt_top_logprobs = acc.prompt_top_logprobs or delta.prompt_top_logprobs
+    acc.context_logits = acc.context_logits if acc.context_logits is not None else delta.context_logits
+    acc.error = acc.error or delta.error
+    return acc

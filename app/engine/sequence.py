@@ -7,6 +7,7 @@ import time
 import numpy as np
 import torch
 
+from app.engine.outputs import FinishReason
 from app.engine.sampling_params import SamplingParams
 
 
@@ -17,12 +18,6 @@ class SequenceStatus(enum.Enum):
     WAITING = enum.auto()
     RUNNING = enum.auto()
     FINISHED = enum.auto()
-
-
-class FinishReason(str, enum.Enum):
-    STOP = "stop"  # end id or a stop sequence
-    LENGTH = "length"  # max_tokens
-    ABORT = "abort"
 
 
 class Sequence:

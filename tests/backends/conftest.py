@@ -28,7 +28,7 @@ def collect(backend, prompt, params, adapter=None, request_id="r", stop_after=No
     """Run one request through a backend; return (deltas, merged output)."""
     import asyncio
 
-    from app.engine.llm_engine import merge_outputs
+    from app.engine.outputs import merge_outputs
 
     async def run():
         deltas, merged = [], None
@@ -45,7 +45,7 @@ def collect(backend, prompt, params, adapter=None, request_id="r", stop_after=No
 
 def engine_reference(model_dir, prompt, params, adapter_path=None):
     """The portable engine's own answer for the same request: what every backend must return."""
-    from app.engine.llm_engine import merge_outputs
+    from app.engine.outputs import merge_outputs
     from tests.conftest import make_engine
 
     engine = make_engine(model_dir, max_tokens=8192, tokens_per_block=32, max_batch_size=16)

@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from app.engine import SamplingParams
-from app.engine.model_loader import resolve_model_dir
+from app.engine.model_dir import resolve_model_dir
 from tests.conftest import make_engine, random_prompts
 
 PROMPTS = random_prompts(2, 5, 20, vocab=256, seed=4)

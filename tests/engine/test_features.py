@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from app.engine import InvalidRequestError, SamplingParams
-from app.engine.llm_engine import merge_outputs
+from app.engine.outputs import merge_outputs
 from tests.conftest import hf_greedy, make_engine, random_prompts
 
 PROMPT = random_prompts(1, 20, 20, vocab=256, seed=3)[0]

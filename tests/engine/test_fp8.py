@@ -7,7 +7,7 @@ import torch
 
 from app.config import ConfigError, ServiceConfig, parse_config
 from app.engine import EngineConfig, KvCacheConfig, LLMEngine, SamplingParams
-from app.engine.llm_engine import merge_outputs
+from app.engine.outputs import merge_outputs
 from app.engine.models.layers import FP8, MergedLinear, fp8_linear
 from app.text import Tokenizer
 from tests.conftest import make_engine

@@ -89,7 +89,7 @@ def test_late_planning_plans_each_step_near_the_end_of_the_one_computing(tiny_ll
     each step at once."""
     import time
 
-    from app.engine.llm_engine import merge_outputs
+    from app.engine.outputs import merge_outputs
 
     sleep_cycles = 40_000_000  # ~20 ms at ~2 GHz (the stream gate test's 200M cycles took ~0.1 s)
     prompts = random_prompts(5, 8, 16, 256, seed=12)

@@ -270,7 +270,7 @@ def test_a_slow_compile_never_holds_up_the_engine(engine, monkeypatch):
     field, and the engine is left with nothing of it."""
     import threading
 
-    from app.engine.llm_engine import merge_outputs
+    from app.engine.outputs import merge_outputs
 
     release = threading.Event()
     compile_now = engine.grammars._compile

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from app.engine import InvalidRequestError, SamplingParams, SchedulerPolicy
-from app.engine.llm_engine import merge_outputs
+from app.engine.outputs import merge_outputs
 from tests.conftest import make_engine, random_prompts, run_staggered
 
 PROMPT = random_prompts(1, 29, 29, vocab=256, seed=7)[0]  # 3 full blocks of 8 and a part

@@ -67,7 +67,7 @@ def expected(tiny_llama_dir, adapter_dirs):
 def _run(engine, prompts, pairs, arrivals):
     batch_prompts = [prompts[i] for i, _ in pairs]
     merged = {}
-    from app.engine.llm_engine import merge_outputs
+    from app.engine.outputs import merge_outputs
     pending, step = set(range(len(pairs))), 0
     while pending or engine.has_unfinished_requests():
         for k in sorted(pending):

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from app.engine import SamplingParams
-from app.engine.model_loader import resolve_model_dir
+from app.engine.model_dir import resolve_model_dir
 from tests.conftest import hf_greedy, hf_greedy_logprobs, make_engine, random_prompts
 
 SMALL = dict(vocab_size=200, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,

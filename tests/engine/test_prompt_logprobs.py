@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from app.engine import InvalidRequestError, SamplingParams
-from app.engine.llm_engine import merge_outputs
+from app.engine.outputs import merge_outputs
 from app.engine import SchedulerPolicy
 from tests.conftest import make_engine, random_prompts, run_staggered
 

@@ -3,10 +3,11 @@ makes of a step's samples (stops, overlapped placeholders, beams)."""
 from app.engine.beam_search import BeamGroup
 from app.engine.block_manager import BlockManager
 from app.engine.config import BatchingType, SchedulerPolicy
+from app.engine.outputs import FinishReason
 from app.engine.sampler import SamplerOutput
 from app.engine.sampling_params import SamplingParams
 from app.engine.scheduler import Scheduler, SchedulerLimits
-from app.engine.sequence import PENDING_TOKEN, FinishReason, Sequence
+from app.engine.sequence import PENDING_TOKEN, Sequence
 
 
 def make_scheduler(num_blocks=64, block_size=4, max_batch_size=8, max_num_tokens=32, chunked=True,

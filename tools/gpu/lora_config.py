@@ -15,7 +15,7 @@ from pathlib import Path
 
 import yaml
 
-from app.engine.model_loader import resolve_model_dir
+from app.engine.model_dir import resolve_model_dir
 from tools.bench.adapters import make_adapters
 
 

@@ -21,7 +21,7 @@ import numpy as np
 from tritonserver._api import DataType, InferenceResponse, InvalidArgumentError, Tensor, TritonError
 
 from app.engine import SamplingParams
-from app.engine.llm_engine import merge_outputs
+from app.engine.outputs import merge_outputs
 from app.engine.model_loader import read_model_config
 from app.engine.outputs import RequestOutput
 from tests.fakes._engine import start_engine

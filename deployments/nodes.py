@@ -1,5 +1,6 @@
-"""What a replica or rank learns about the node it runs on. Light on purpose: the Tokenizer and
-Detokenizer import it, and nothing here loads torch."""
+"""What a replica or rank learns about the node it runs on: where its model is, which placement
+group holds it. Apart from workers.py, so that the Tokenizer and Detokenizer need not import the
+engine's rank launcher."""
 from __future__ import annotations
 
 from pathlib import Path

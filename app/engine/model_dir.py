@@ -1,8 +1,8 @@
 """Find a model's directory: an embedded model's alias, a local HF directory (or a Hugging Face
 cache entry), or a .gguf file. GGUF files are converted once (dequantized by transformers' GGUF
 reader) into a safetensors directory under the cache, so later loads are a plain safetensors read.
-Light on purpose: the Tokenizer and Detokenizer stages find their model here without torch, which
-only a conversion needs.
+Apart from app/engine/model_loader.py (the weights): the Tokenizer and Detokenizer stages need
+the directory only.
 """
 from __future__ import annotations
 

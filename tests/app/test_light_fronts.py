@@ -9,7 +9,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 FRONT = """
 import sys
-import deployments.ingress, deployments.request_ids
+import deployments.ingress, deployments.request_ids, deployments.routing  # routing: the Ingress's engine router
 from app.protocol import openai, triton
 job, _ = openai.parse_completion({"model": "m", "prompt": "Hi", "response_format": {"type": "json_object"}}, 16)
 assert job.params.guide is not None

@@ -1,10 +1,12 @@
 """What deploying the app costs: the seconds `serve.run` takes until every replica is ready, and
-each replica's resident memory once it is, on a local Ray instance of this machine.
+each stage's resident memory once it is (summed over the stage's replicas), on a local Ray
+instance of this machine.
 
     python -m tools.bench.deploy_cost --config configs/smollm2-135m.yaml [--runs 3]
 
 Each run starts Ray, deploys, measures and shuts Ray down, so runs do not share warm processes.
-Alternate two trees (`cd` into each) to compare code; the 2-core box is noisy.
+To compare two trees, run this file from each tree's root with that tree on the path
+(`PYTHONPATH=. python /path/to/tools/bench/deploy_cost.py`), alternating; the 2-core box is noisy.
 """
 from __future__ import annotations
 
@@ -34,7 +36,7 @@ def one_run(config: str) -> dict:
         rss_mb: dict[str, int] = {}
         for proc in psutil.process_iter(["cmdline", "memory_info"]):
             title = (proc.info["cmdline"] or [""])[0]  # Ray titles a replica "ray::ServeReplica:llm:Ingress..."
-            if title.startswith("ray::ServeReplica:llm:"):
+            if title.startswith("ray::ServeReplica:llm:") and proc.info["memory_info"] is not None:
                 stage = title.removeprefix("ray::ServeReplica:llm:").split(".")[0].split()[0]
                 rss_mb[stage] = rss_mb.get(stage, 0) + (proc.info["memory_info"].rss >> 20)
         serve.shutdown()
@@ -52,7 +54,7 @@ def main() -> None:
     runs = []
     for n in range(args.runs):
         runs.append(one_run(args.config))
-        print(f"run {n + 1}: serve.run {runs[-1]['serve_run_s']:.1f} s; replica RSS MB {runs[-1]['rss_mb']}", flush=True)
+        print(f"run {n + 1}: serve.run {runs[-1]['serve_run_s']:.1f} s; RSS MB by stage {runs[-1]['rss_mb']}", flush=True)
     print(f"serve.run median {statistics.median(r['serve_run_s'] for r in runs):.1f} s over {len(runs)} runs")
     if args.json:
         with open(args.json, "w") as f:

@@ -154,6 +154,7 @@ fronts() {  # a copy of the config with FRONTS' replica counts and CPUs for the 
   mkdir -p "$dir"
   cp "$CONFIG" "$dir/config.yaml.in"
   for spec in ${FRONTS:?fronts: set FRONTS, e.g. "ingress=8:0.5"}; do
+    [[ $spec =~ ^[a-z]+=[0-9]+:[0-9.]+$ ]] || { echo "fronts: '$spec' is not stage=replicas:cpus"; exit 1; }
     stage=${spec%%=*} n=${spec#*=}; cpus=${n#*:} n=${n%%:*}
     sed -i "s/^\(  $stage: {num_replicas: \)[0-9]*\(,.*num_cpus: \)[0-9.]*/\1$n\2$cpus/" "$dir/config.yaml.in"
     grep -q "^  $stage: {num_replicas: $n,.*num_cpus: $cpus[,}]" "$dir/config.yaml.in" \

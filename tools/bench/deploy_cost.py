@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import statistics
 import time
 
@@ -22,11 +21,10 @@ def one_run(config: str) -> dict:
     import ray
     from ray import serve
 
+    from app.engine.executor import free_port
     from deployments.app import build_app
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port("127.0.0.1")
     ray.init(num_cpus=16, include_dashboard=False, log_to_driver=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})

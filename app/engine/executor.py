@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import random
 import socket
 from typing import Protocol
 
@@ -26,9 +27,37 @@ class WorkerLauncher(Protocol):
         """Wait briefly for the workers to leave (after rank 0 told them to), then end them."""
 
 
+# Ray's own listeners sit below this: GCS 6379, the dashboard 8265, its client 10001, workers 10002-19999.
+_FIRST_QUIET_PORT = 20000
+
+
 def free_port(host: str) -> int:
+    """A port nobody listens on now, taken from below the kernel's ephemeral range. A port bound to 0
+    comes from inside that range, which every outgoing connection also draws its local port from:
+    Ray opens hundreds as it starts, and one took such a port before our listener bound it (a
+    Serve proxy's "Failed to bind to address" failed a whole CI run)."""
+    first_ephemeral = _first_ephemeral_port()
+    if first_ephemeral - _FIRST_QUIET_PORT < 1000:  # an unusual kernel setting: take what it gives
+        return _bind(host, 0)
+    for port in random.sample(range(_FIRST_QUIET_PORT, first_ephemeral), 100):
+        try:
+            return _bind(host, port)
+        except OSError:
+            continue
+    raise OSError(f"no free port on {host} in {_FIRST_QUIET_PORT}-{first_ephemeral - 1} after 100 tries")
+
+
+def _first_ephemeral_port() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except OSError:  # not Linux: IANA's dynamic range, where macOS and Windows draw
+        return 49152
+
+
+def _bind(host: str, port: int) -> int:
     with socket.socket() as s:
-        s.bind((host, 0))
+        s.bind((host, port))
         return s.getsockname()[1]
 
 

@@ -1,17 +1,12 @@
 """A real Ray Serve application on loopback, shared by the HTTP tests of a module."""
 import os
-import socket
 from pathlib import Path
 
 import httpx
 import pytest
 import yaml
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from app.engine.executor import free_port
 
 
 def _write_config(tmp_path_factory, lora_root, **overrides):
@@ -39,7 +34,6 @@ def server(tmp_path_factory, smollm2_dir, lora_root):
     from deployments.app import build_app
 
     path = _write_config(tmp_path_factory, lora_root)
-    port = _free_port()
     os.environ.setdefault("RAY_metrics_report_interval_ms", "1000")  # metrics reach the scrape endpoint in ~1 s
     # Every test runs behind the connection limits (docs/SECURITY.md); tests/serve/test_connections.py
     # floods past this cap and waits out this body timeout.
@@ -47,6 +41,7 @@ def server(tmp_path_factory, smollm2_dir, lora_root):
     os.environ.setdefault("LLM_SERVE_MAX_CONNECTIONS", "1000")
     os.environ.setdefault("LLM_SERVE_BODY_TIMEOUT_S", "5")
     ray.init(num_cpus=16, include_dashboard=False, log_to_driver=False)
+    port = free_port("127.0.0.1")  # chosen once Ray's processes hold their ports
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(build_app({"config": str(path)}), name="llm", route_prefix="/")
     url = f"http://127.0.0.1:{port}"

@@ -26,7 +26,7 @@ from pathlib import Path
 import yaml
 
 from tests.conftest import hf_greedy
-from tests.serve.conftest import _free_port
+from app.engine.executor import free_port
 from tools.cluster_timeline import report
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -94,7 +94,7 @@ def main(config_path: str, out: str) -> None:
     cluster = _start_cluster(Path(out).with_name("autoscaling.json"))
     ray.init(address=cluster.address, log_to_driver=False)
     head = cluster.head_node.node_id
-    port = _free_port()  # chosen once the head's processes hold their ports
+    port = free_port("127.0.0.1")  # chosen once the head's processes hold their ports
     load = Load(f"http://127.0.0.1:{port}")
     recorder = Recorder(head, load)
     recorder.start()
@@ -137,7 +137,7 @@ def _start_cluster(autoscaling: Path):
     # Read by the monitor, which inherits them: an autoscaler update a second, and the fake provider
     # refuses to start without RAY_FAKE_CLUSTER.
     os.environ.update(AUTOSCALER_UPDATE_INTERVAL_S="1", RAY_FAKE_CLUSTER="1")
-    gcs_port = _free_port()
+    gcs_port = free_port("127.0.0.1")
     autoscaling.write_text(json.dumps(_autoscaling_config(f"{ray._private.services.get_node_ip_address()}:{gcs_port}")))
     # The head takes the node id the provider knows it by (as `ray start --head` does for a fake
     # cluster): the autoscaler then sees the CPU its stages use, not the config's idle head.

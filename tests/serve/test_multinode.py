@@ -18,7 +18,7 @@ from pathlib import Path
 import yaml
 
 from tests.conftest import hf_greedy
-from tests.serve.conftest import _free_port
+from app.engine.executor import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMPT = "What is machine learning?"
@@ -38,7 +38,7 @@ def test_pipeline_stages_on_two_nodes_serve_what_transformers_generates(tmp_path
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(config))
     out = tmp_path / "seen.json"
-    run = subprocess.run([sys.executable, "-m", "tests.serve.test_multinode", str(path), str(_free_port()), str(out)],
+    run = subprocess.run([sys.executable, "-m", "tests.serve.test_multinode", str(path), str(free_port("127.0.0.1")), str(out)],
                          cwd=ROOT, capture_output=True, text=True, timeout=540)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
     seen = json.loads(out.read_text())

@@ -34,7 +34,7 @@ ray_dir=$(mktemp -d /tmp/llm-serve-ray.XXXXXX)
 # whatever the node's address: Ray's token authentication refuses them all without this token.
 .venv/bin/python -c 'import secrets; print(secrets.token_hex(32))' >"$ray_dir/auth_token"
 export RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH="$ray_dir/auth_token"
-gcs_port=$(.venv/bin/python -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+gcs_port=$(.venv/bin/python -c 'from app.engine.executor import free_port; print(free_port("127.0.0.1"))')
 export RAY_ADDRESS="127.0.0.1:$gcs_port"
 
 .venv/bin/ray start --head --block --node-ip-address=127.0.0.1 --port="$gcs_port" \

@@ -106,3 +106,17 @@ def test_cpu_ranks_share_the_cpus_this_process_may_run_on():
     assert run.returncode == 0, run.stderr
     host, one_rank, two_ranks = map(int, run.stdout.split())
     assert (one_rank, two_ranks) == (1, 1), f"pinned to one of the host's {host} CPUs"
+
+
+def test_free_ports_lie_below_the_ephemeral_range_and_bind():
+    """Our listeners' ports (rendezvous, Serve's HTTP, a test cluster's GCS) come from below the
+    range the kernel hands outgoing connections, so no connection can hold one before it binds."""
+    import socket
+
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        first_ephemeral = int(f.read().split()[0])
+    ports = {free_port("127.0.0.1") for _ in range(20)}
+    assert all(20000 <= port < first_ephemeral for port in ports), sorted(ports)
+    assert len(ports) > 1  # drawn at random: two processes asking at once rarely meet
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", ports.pop()))

@@ -51,6 +51,16 @@ class StepResult:
 
 
 @dataclass
+class ForwardPass:
+    """A step's forward pass, queued on the device."""
+    logits: torch.Tensor
+    seqs: list[Sequence]  # the sampling rows' sequences, in row order
+    prompt: PromptRows
+    forward_at: float  # time.monotonic() when its first kernel was queued
+    busy: bool  # the step before was still computing then
+
+
+@dataclass
 class LaunchedStep:
     """A step queued on the device whose tokens have not been read back yet (overlapped steps).
     Its sampling may be queued later than its forward pass (`ModelRunner.sample`): until then
@@ -132,7 +142,8 @@ class ModelRunner:
     def execute(self, plan: SchedulerOutput) -> StepResult:
         """Run the step and read its tokens back, and the prompt logprobs and raw logits rows its
         requests owe."""
-        logits, seqs, prompt, _ = self._run(plan)
+        forward = self._run(plan)
+        logits, seqs, prompt = forward.logits, forward.seqs, forward.prompt
         if not prompt.seqs:
             result = StepResult(seqs, self.sampler(logits, seqs))
         else:
@@ -182,9 +193,10 @@ class ModelRunner:
         what sampling needs (guided rows: their grammars advanced by `previous`'s tokens)."""
         # A guess follows the sequence's last token on the host: a step with guesses never overlaps.
         assert not any(item.draft for item in plan.scheduled), "a step with guesses was launched overlapped"
-        logits, seqs, prompt, (forward_at, busy) = self._run(plan, previous.sample if previous is not None else None)
-        assert not prompt.seqs, "a step computing prompt logprobs is never overlapped"
-        launched = LaunchedStep(plan, seqs, logits=logits, forward_at=forward_at, back_to_back=busy and sample)
+        forward = self._run(plan, previous.sample if previous is not None else None)
+        assert not forward.prompt.seqs, "a step computing prompt logprobs is never overlapped"
+        launched = LaunchedStep(plan, forward.seqs, logits=forward.logits, forward_at=forward.forward_at,
+                                back_to_back=forward.busy and sample)
         if sample:
             self.sample(launched)
         return launched
@@ -195,10 +207,8 @@ class ModelRunner:
         launched.sample = self.sampler.sample(launched.logits, launched.seqs)
         launched.logits = None
 
-    def _run(self, plan: SchedulerOutput, previous: DeviceSample | None = None):
-        """Queue the step's forward pass, its decode inputs read from `previous`'s tokens where pending.
-        Returns the logits, the rows' sequences, the prompt rows, and (when its first kernel was
-        queued, whether `previous` was still computing then)."""
+    def _run(self, plan: SchedulerOutput, previous: DeviceSample | None = None) -> ForwardPass:
+        """Queue the step's forward pass, its decode inputs read from `previous`'s tokens where pending."""
         groups = self._micro_batches(plan.scheduled)
         prepared = [self._prepare(group) for group in groups]
         batches = [inputs for inputs, _, _ in prepared]
@@ -210,7 +220,8 @@ class ModelRunner:
         for inputs, _, rows in prepared:  # the logits of each batch follow the batch before's
             prompt.extend(rows, offset)
             offset += len(inputs.logits_indices)
-        return logits, [seq for _, group_seqs, _ in prepared for seq in group_seqs], prompt, (forward_at, busy)
+        seqs = [seq for _, group_seqs, _ in prepared for seq in group_seqs]
+        return ForwardPass(logits, seqs, prompt, forward_at, busy)
 
     def add_lora(self, name: str, path, in_use: set[str], prepared: LoRAAdapter | None = None) -> None:
         """`prepared`: rank 0's LoRACache.prepare of it, done already (off the engine loop). The other

@@ -39,7 +39,9 @@ def free_port(host: str) -> int:
     first_ephemeral = _first_ephemeral_port()
     if first_ephemeral - _FIRST_QUIET_PORT < 1000:  # an unusual kernel setting: take what it gives
         return _bind(host, 0)
-    for port in random.sample(range(_FIRST_QUIET_PORT, first_ephemeral), 100):
+    # The OS's randomness, not the random module's: a process that seeded that (a benchmark, a test)
+    # would draw the same ports as every other process seeded alike.
+    for port in random.SystemRandom().sample(range(_FIRST_QUIET_PORT, first_ephemeral), 100):
         try:
             return _bind(host, port)
         except OSError:

@@ -41,6 +41,14 @@ class LoopResult:
         return sum(n > tokens for n in steady) / len(steady)
 
 
+def make_sequence(rng: random.Random, seq_id: int, prompt_len: int, output_lens: tuple[int, int]) -> Sequence:
+    """A request of random prompt ids (distinct: no cached prefixes) and an output length drawn from
+    output_lens, run to its max_tokens."""
+    prompt = [rng.randrange(1, 120_000) for _ in range(prompt_len)]
+    params = SamplingParams(max_tokens=rng.randint(*output_lens), ignore_eos=True)
+    return Sequence(seq_id, f"r{seq_id}", 0, prompt, params, frozenset(), None)
+
+
 def run(streams: int, requests: int, prompt_len: int, output_lens: tuple[int, int], seed: int,
         replace_after: int = 0) -> LoopResult:
     """One closed loop; a finished request's replacement is added `replace_after` steps later."""
@@ -51,9 +59,7 @@ def run(streams: int, requests: int, prompt_len: int, output_lens: tuple[int, in
 
     def add() -> None:
         nonlocal added
-        prompt = [rng.randrange(1, 120_000) for _ in range(prompt_len)]  # distinct: no cached prefixes
-        params = SamplingParams(max_tokens=rng.randint(*output_lens), ignore_eos=True)
-        sched.add(Sequence(added, f"r{added}", 0, prompt, params, frozenset(), None))
+        sched.add(make_sequence(rng, added, prompt_len, output_lens))
         added += 1
 
     for _ in range(min(streams, requests)):

@@ -10,7 +10,9 @@ engine's queue, not from the path (docs/PERFORMANCE.md, "What the round trip cos
 With a step model of a device it predicts, in seconds on a CPU, what a round trip or a change to
 the scheduler does there. The default model is the H200's on the Llama-3.1-8B shape in bf16: a step
 takes 7 ms, plus 0.012 ms a row, plus 0.022 ms a prompt token (a decode step of 256 rows: 10 ms; 180
-decodes beside 1,792 prompt tokens: 49 ms; 8,192 prompt tokens: 190 ms, as measured there).
+decodes beside 1,792 prompt tokens: 49 ms; 8,192 prompt tokens: 190 ms, as measured there). It has no
+host: a step past the piecewise graphs, which the host queues op by op, may take longer than the
+device needs (docs/PERFORMANCE.md, "A model of the closed loop").
 
 Timing (the overlap scheduler, app/engine/llm_engine.py): step k + 1 is planned when step k - 1 has
 been read back, which is when step k starts computing, with the requests that have arrived by then;

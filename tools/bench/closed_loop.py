@@ -33,6 +33,7 @@ from app.engine.config import BatchingType, SchedulerPolicy
 from app.engine.sampler import SamplerOutput
 from app.engine.scheduler import Scheduler, SchedulerLimits, SchedulerOutput
 from tools.bench.scheduler_cost import make_sequence
+from tools.bench.workload import parse_range
 
 
 @dataclass(frozen=True)
@@ -72,7 +73,7 @@ def run(streams: int, requests: int, prompt_len: int, output_lens: tuple[int, in
     first: dict[int, float] = {}
     last: dict[int, float] = {}
     read: dict[int, int] = {}  # tokens read back, by request id
-    outputs: dict[int, int] = {}  # by request id, once its last token is read back
+    ended: list[int] = []  # request ids, once their last token is read back
     returning: list[float] = []  # when replacements arrive, a heap
     in_flight: deque[tuple[SchedulerOutput, list, float]] = deque()  # launched steps: plan, rows, end
 
@@ -91,7 +92,7 @@ def run(streams: int, requests: int, prompt_len: int, output_lens: tuple[int, in
                 # A sequence leaves the scheduler when its last step is launched; its client sees
                 # the end when that step is read back.
                 if seq.is_finished and read[seq.seq_id] == seq.num_output_tokens:
-                    outputs[seq.seq_id] = seq.num_output_tokens
+                    ended.append(seq.seq_id)
                     if len(arrived) + len(returning) < requests:
                         heapq.heappush(returning, end + round_trip_ms)
 
@@ -116,8 +117,8 @@ def run(streams: int, requests: int, prompt_len: int, output_lens: tuple[int, in
         steps += 1
         now = start if plan_lead_ms is None else max(start, device_free - plan_lead_ms)
     ttft = [first[i] - arrived[i] for i in first]
-    tpot = [(last[i] - first[i]) / (n - 1) for i, n in outputs.items() if n > 1]
-    return LoopTimes(ttft, tpot, sum(outputs.values()), max(last.values()), steps)
+    tpot = [(last[i] - first[i]) / (read[i] - 1) for i in ended if read[i] > 1]
+    return LoopTimes(ttft, tpot, sum(read[i] for i in ended), max(last.values()), steps)
 
 
 def main() -> None:
@@ -134,8 +135,7 @@ def main() -> None:
                    help="the step model (default: the H200's, 8B shape, bf16)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
-    lo, _, hi = args.output_len.partition(":")
-    lens = (int(lo), int(hi or lo))
+    lens = parse_range(args.output_len)
     model = StepModel(*args.step_ms) if args.step_ms else StepModel()
     print("round trip ms  TTFT p50 ms  TTFT p99 ms  TPOT p50 ms    tok/s  steps")
     for rt in args.round_trip_ms:

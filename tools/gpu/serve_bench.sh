@@ -26,9 +26,10 @@
 #              the base model and the adapters mixed, on /v1 only (a request names its adapter as model)
 #   fp8        quantization: fp8 in a copy of the config; the engine and dag steps after it use it
 #   kv8        kv_cache_config.dtype: fp8 in a copy of the config, likewise
-#   tokens     max_num_tokens: MAX_NUM_TOKENS in a copy of the config, likewise (the 8B config has 2,048)
-#   graphs     piecewise_graph_max_tokens: PIECEWISE_MAX_TOKENS in a copy of the config, likewise (default
-#              512: a step of more tokens, e.g. 253 decodes beside three 128-token prompts, runs op by op)
+#   tokens     max_num_tokens: MAX_NUM_TOKENS in a copy of the config, likewise (the 8B config has 1,024)
+#   graphs     piecewise_graph_max_tokens: PIECEWISE_MAX_TOKENS in a copy of the config, likewise (the 8B
+#              config has 1,024: a step of more tokens runs op by op; the pair before it was
+#              MAX_NUM_TOKENS=2048 PIECEWISE_MAX_TOKENS=512)
 #   late       late_planning: true in a copy of the config, likewise (the overlap scheduler plans each
 #              step just before the one computing ends, app/engine/step_clock.py; off by default)
 #   fronts     FRONTS="ingress=8:0.5 detokenizer=8:0.5": those stages' replicas and CPUs each (stage=replicas:cpus)
@@ -145,8 +146,9 @@ tokens() {  # a copy of the config with MAX_NUM_TOKENS tokens a step
 }
 
 graphs() {  # a copy of the config whose prefill steps replay from graphs up to PIECEWISE_MAX_TOKENS tokens
-  with_key "graphs-${PIECEWISE_MAX_TOKENS:?graphs: set PIECEWISE_MAX_TOKENS}" piecewise_graph_max_tokens \
-      "$PIECEWISE_MAX_TOKENS"
+  with_edit "graphs-${PIECEWISE_MAX_TOKENS:?graphs: set PIECEWISE_MAX_TOKENS}" \
+      "s/^piecewise_graph_max_tokens:.*/piecewise_graph_max_tokens: $PIECEWISE_MAX_TOKENS/" \
+      "piecewise_graph_max_tokens: $PIECEWISE_MAX_TOKENS"
 }
 
 fronts() {  # a copy of the config with FRONTS' replica counts and CPUs for the stages it names

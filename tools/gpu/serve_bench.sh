@@ -240,7 +240,9 @@ dag() {
   done
   echo "serve run: ready=$ready after ${SECONDS}s of this script"
   if (( ready )); then
-    nvidia-smi --query-gpu=name,memory.used --format=csv,noheader
+    # What the server holds on the card at ready (weights, pool, graphs), kept with the results
+    nvidia-smi --query-gpu=name,memory.used --format=csv,noheader | sed "s#^#serve run at ready, $CONFIG: #" \
+        | tee -a "$out/gpu.txt"
     local url=(--url "http://127.0.0.1:$PORT" --client-processes ${CLIENTS:-4 8 1})
     # Each route's highest level first: its numbers, the profile (first route only, or each with
     # PROFILE_EVERY=1) and the client check matter most. ROUTES sets the order (a route run later

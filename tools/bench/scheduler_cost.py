@@ -25,6 +25,7 @@ from app.engine.sampler import SamplerOutput
 from app.engine.sampling_params import SamplingParams
 from app.engine.scheduler import Scheduler, SchedulerLimits
 from app.engine.sequence import Sequence
+from tools.bench.workload import parse_range
 
 
 @dataclass
@@ -92,14 +93,14 @@ def main() -> None:
     p.add_argument("--streams", type=int, default=256)
     p.add_argument("--requests", type=int, default=2048)
     p.add_argument("--prompt-len", type=int, default=128)
-    p.add_argument("--output-len", default="64:192", help="LO:HI, drawn uniformly")
+    p.add_argument("--output-len", default="64:192", help="N or LO:HI, drawn uniformly")
     p.add_argument("--replace-after", type=int, default=0, help="steps between a request's end and its replacement")
     p.add_argument("--over", type=int, nargs="*", default=[512, 1024], help="step sizes to count the steps above")
     p.add_argument("--seeds", type=int, default=3)
     args = p.parse_args()
-    lo, hi = (int(x) for x in args.output_len.split(":"))
+    lens = parse_range(args.output_len)
     for seed in range(args.seeds):
-        r = run(args.streams, args.requests, args.prompt_len, (lo, hi), seed, args.replace_after)
+        r = run(args.streams, args.requests, args.prompt_len, lens, seed, args.replace_after)
         shares = ", ".join(f"over {n}: {r.share_over(n):.1%}" for n in args.over)
         print(f"seed {seed}: {len(r.step_tokens)} steps, schedule {r.schedule_ms:.3f} ms a step, "
               f"update {r.update_ms:.3f} ms a step; steady-state steps {shares}")

@@ -140,15 +140,15 @@ kv8() {  # a copy of the config whose KV cache is FP8 (E4M3)
 
 late() { with_key late late_planning true; }  # each step planned just before the one computing ends
 
-tokens() {  # a copy of the config with MAX_NUM_TOKENS tokens a step
-  with_edit "tokens-${MAX_NUM_TOKENS:?tokens: set MAX_NUM_TOKENS}" "s/^max_num_tokens:.*/max_num_tokens: $MAX_NUM_TOKENS/" \
-      "max_num_tokens: $MAX_NUM_TOKENS"
+with_value() {  # step key value: a copy of the config whose top-level "key:" line says value
+  with_edit "$1" "s/^$2:.*/$2: $3/" "$2: $3"
 }
 
+tokens() { with_value "tokens-${MAX_NUM_TOKENS:?tokens: set MAX_NUM_TOKENS}" max_num_tokens "$MAX_NUM_TOKENS"; }
+
 graphs() {  # a copy of the config whose prefill steps replay from graphs up to PIECEWISE_MAX_TOKENS tokens
-  with_edit "graphs-${PIECEWISE_MAX_TOKENS:?graphs: set PIECEWISE_MAX_TOKENS}" \
-      "s/^piecewise_graph_max_tokens:.*/piecewise_graph_max_tokens: $PIECEWISE_MAX_TOKENS/" \
-      "piecewise_graph_max_tokens: $PIECEWISE_MAX_TOKENS"
+  with_value "graphs-${PIECEWISE_MAX_TOKENS:?graphs: set PIECEWISE_MAX_TOKENS}" piecewise_graph_max_tokens \
+      "$PIECEWISE_MAX_TOKENS"
 }
 
 fronts() {  # a copy of the config with FRONTS' replica counts and CPUs for the stages it names

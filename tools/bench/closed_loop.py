@@ -128,7 +128,7 @@ def main() -> None:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--output-len", default="128", help="N or LO:HI, drawn uniformly")
     p.add_argument("--round-trip-ms", type=float, nargs="+", default=[0.0, 10.0, 20.0, 40.0])
-    p.add_argument("--max-num-tokens", type=int, default=2048)
+    p.add_argument("--max-num-tokens", type=int, default=1024, help="the 8B configs' (the step model holds for any)")
     p.add_argument("--plan-lead-ms", type=float, default=None, help="plan each step this long before the one "
                    "computing ends (late_planning); default: when it starts")
     p.add_argument("--step-ms", type=float, nargs=3, default=None, metavar=("BASE", "PER_ROW", "PER_PROMPT_TOKEN"),

@@ -222,7 +222,7 @@ keep_earlier() {  # an earlier dag step's files (this call's or a warm machine's
 }
 
 dag() {
-  local ready=0
+  local ready=0 started_s
   keep_earlier
   # Without the shape's tokenizer every Tokenizer replica fails to start and Serve retries until the
   # wait below runs out: a fresh machine needs the tokenizer step in this call or an earlier one.
@@ -231,6 +231,7 @@ dag() {
   # temp dir, so that no other ray.init() on the host finds this cluster.
   RAY_TMPDIR=${RAY_TMPDIR:-/tmp/llm-serve-bench} setsid "$bin/serve" run "$SERVE_CONFIG" > "$out/serve.log" 2>&1 &
   serve_pid=$!
+  started_s=$SECONDS
   for _ in $(seq 300); do
     if "$PY" -c "import httpx, sys; sys.exit(httpx.get('http://127.0.0.1:$PORT/v2/health/ready', timeout=2).status_code != 200)" 2>/dev/null; then
       ready=1; break
@@ -238,7 +239,7 @@ dag() {
     kill -0 "$serve_pid" 2>/dev/null || break
     sleep 1
   done
-  echo "serve run: ready=$ready after ${SECONDS}s of this script"
+  echo "serve run: ready=$ready after $((SECONDS - started_s))s"
   if (( ready )); then
     # What the server holds on the card at ready (weights, pool, graphs), kept with the results
     nvidia-smi --query-gpu=name,memory.used --format=csv,noheader | sed "s#^#serve run at ready, $CONFIG: #" \
